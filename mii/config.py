@@ -1,0 +1,146 @@
+"""Typed, validated configuration: what a user may set, documented where it is declared.
+
+`ModelConfig` describes one model deployment (MII's fields plus `dtype` and `device`), `MIIConfig` a persistent
+deployment. Unknown keys are errors (`mii.errors.UnknownArgument`); "auto" values are resolved by the engine
+plan (`mii.engine.plan`) and reported there.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mii.errors import UnknownArgument, ValidationError
+
+DEVICE_MAP_DEFAULT = "auto"
+
+
+class TaskType(str, Enum):
+    TEXT_GENERATION = "text-generation"
+
+
+class DeploymentType(str, Enum):
+    LOCAL = "local"
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class MemoryConfig(_Config):
+    mode: Literal["reserve", "allocate"] = "reserve"
+    """`reserve`: leave `size` bytes of the device's free memory unused (on CPU: of available RAM, capped);
+    `allocate`: exactly `size` KV blocks."""
+    size: int = Field(1_000_000_000, ge=1)
+    """Bytes to leave free (`reserve`) or number of KV blocks (`allocate`)."""
+
+
+class StateManagerConfig(_Config):
+    max_tracked_sequences: int = Field(2048, ge=1)
+    """Most sequences the engine holds at once (running and waiting)."""
+    max_ragged_batch_size: int = Field(768, ge=1)
+    """Token budget of one forward pass (Dynamic SplitFuse)."""
+    max_ragged_sequence_count: int = Field(512, ge=1)
+    """Most sequences in one forward pass."""
+    max_context: int = Field(8192, ge=1)
+    """Longest sequence (prompt + generated) the engine accepts; also capped by the model's own context."""
+    kv_block_size: Optional[int] = Field(None, ge=1)
+    """Tokens per KV cache block; chosen by the engine plan when unset."""
+    memory_config: MemoryConfig = Field(default_factory=MemoryConfig)
+    """How large the KV cache is."""
+
+
+class InferenceEngineConfig(_Config):
+    state_manager: StateManagerConfig = Field(default_factory=StateManagerConfig)
+
+
+class ModelConfig(_Config):
+    model_name_or_path: str = ""
+    """A local Hugging Face folder, a hub id already in the local cache, or a `.gguf` file."""
+    tokenizer: Optional[str] = None
+    """Where to load the tokenizer from, when not from the model itself."""
+    task: TaskType = TaskType.TEXT_GENERATION
+    tensor_parallel: int = Field(1, ge=1)
+    replica_num: int = Field(1, ge=1)
+    max_length: Optional[int] = Field(None, ge=1)
+    """Default `max_length` (prompt + generated) of a request; the model's context when unset."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype; `auto` picks bfloat16 where the device has fast bf16 matmul, else float32 (CPU) / float16."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` is cuda when a GPU is visible, else cpu."""
+    quantization_mode: Optional[str] = None
+    """Reserved (MII's field); only None is supported now."""
+    inference_engine_config: InferenceEngineConfig = Field(default_factory=InferenceEngineConfig)
+    torch_dist_port: int = Field(29500, ge=1, le=65535)
+    device_map: Any = DEVICE_MAP_DEFAULT
+    """MII's field; `auto` (one process per rank on this host) is the only placement."""
+    all_rank_output: bool = False
+    sync_debug: bool = False
+    profile_model_time: bool = False
+    num_threads: Optional[int] = Field(None, ge=1)
+    """CPU threads of the engine; all cores of this process when unset."""
+    seed: int = 0
+    """Seed of the sampling noise for requests that do not give their own `seed`."""
+
+    @field_validator("quantization_mode")
+    @classmethod
+    def _no_quantization(cls, v):
+        if v is not None:
+            raise ValueError(f"quantization_mode={v!r} is not supported (only None)")
+        return v
+
+
+class MIIConfig(_Config):
+    deployment_name: str = ""
+    deployment_type: DeploymentType = DeploymentType.LOCAL
+    port_number: int = Field(50050, ge=1, le=65535)
+    enable_restful_api: bool = False
+    restful_api_host: str = "localhost"
+    restful_api_port: int = Field(28080, ge=1, le=65535)
+    hostfile: str = "/job/hostfile"
+    model_config_: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              populate_by_name=True)
+
+
+def _split_known(cls: type[BaseModel], kwargs: dict) -> tuple[dict, dict]:
+    fields = {name for name in cls.model_fields} | {f.alias for f in cls.model_fields.values() if f.alias}
+    known = {k: v for k, v in kwargs.items() if k in fields}
+    return known, {k: v for k, v in kwargs.items() if k not in fields}
+
+
+def build_config(cls: type[_Config], given: Any, **overrides) -> Any:
+    """Build a config from an instance, a dict or nothing, plus keyword overrides; typed errors on bad input."""
+    from pydantic import ValidationError as PydanticError
+
+    if isinstance(given, cls):
+        data = given.model_dump(by_alias=True)
+    elif given is None:
+        data = {}
+    elif isinstance(given, dict):
+        data = dict(given)
+    else:
+        raise ValidationError(cls.__name__, f"expected a dict or {cls.__name__}, got {type(given).__name__}")
+    data.update(overrides)
+    _, unknown = _split_known(cls, data)
+    if unknown:
+        raise UnknownArgument(f"unknown argument(s) for {cls.__name__}: {', '.join(sorted(unknown))}")
+    try:
+        return cls.model_validate(data)
+    except PydanticError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise UnknownArgument(f"unknown argument for {cls.__name__}: {loc}") from None
+        raise ValidationError(loc or cls.__name__, f"{err['msg']} (got {err.get('input')!r})") from None
+
+
+def split_kwargs(kwargs: dict, *classes: type[BaseModel]) -> tuple[list[dict], dict]:
+    """Split keyword arguments into those each config class accepts and the rest."""
+    parts, rest = [], dict(kwargs)
+    for cls in classes:
+        known, rest = _split_known(cls, rest)
+        parts.append(known)
+    return parts, rest

@@ -1,0 +1,123 @@
+"""Generation parameters of one request: MII's, plus ours (seed, penalties, min_p, stop ids, logprobs, n).
+
+`GenerationParams.from_kwargs` is the single place where user values are checked; the engine trusts the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mii.errors import UnknownArgument, ValidationError
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_length: Optional[int] = None
+    """Prompt + generated tokens (MII); the engine's default when neither this nor max_new_tokens is given."""
+    max_new_tokens: Optional[int] = None
+    min_new_tokens: int = 0
+    """Generated tokens before EOS, stop ids or stop strings may end the sequence."""
+    ignore_eos: bool = False
+    return_full_text: bool = False
+    do_sample: bool = True
+    top_p: float = 0.9
+    top_k: Optional[int] = None
+    temperature: Optional[float] = None
+    stop: tuple[str, ...] = ()
+    seed: Optional[int] = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: Optional[int] = None
+    """Number of top log-probabilities to return per generated token (0: only the chosen token's)."""
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict, defaults: Optional[dict] = None) -> "GenerationParams":
+        unknown = set(kwargs) - cls.names()
+        if unknown:
+            raise UnknownArgument(f"unknown generation argument(s): {', '.join(sorted(unknown))}")
+        values = {**(defaults or {}), **{k: v for k, v in kwargs.items() if v is not None or k == "top_k"}}
+        if "stop" in values:
+            values["stop"] = _stop_strings(values["stop"])
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = _int_tuple("stop_token_ids", values["stop_token_ids"])
+        params = cls(**values)
+        params._validate()
+        return params
+
+    def _validate(self) -> None:
+        _int_field("max_new_tokens", self.max_new_tokens, low=1, optional=True)
+        _int_field("max_length", self.max_length, low=1, optional=True)
+        _int_field("min_new_tokens", self.min_new_tokens, low=0)
+        _int_field("top_k", self.top_k, low=0, optional=True)
+        _int_field("seed", self.seed, optional=True)
+        _int_field("logprobs", self.logprobs, low=0, high=20, optional=True)
+        _int_field("n", self.n, low=1, high=128)
+        for name in ("ignore_eos", "return_full_text", "do_sample"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValidationError(name, f"must be a boolean, got {getattr(self, name)!r}")
+        top_p = _number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValidationError("top_p", f"must be in (0, 1], got {top_p}")
+        if self.temperature is not None and _number("temperature", self.temperature) < 0:
+            raise ValidationError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
+            raise ValidationError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if _number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValidationError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
+                raise ValidationError(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValidationError("min_new_tokens", f"{self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
+
+
+def _int_field(name, value, low=None, high=None, optional=False):
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(name, f"must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValidationError(name, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValidationError(name, f"must be <= {high}, got {value}")
+
+
+def _number(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValidationError("stop", f"must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValidationError("stop", "stop strings must not be empty")
+    return tuple(stop)
+
+
+def _int_tuple(name, values) -> tuple[int, ...]:
+    if values is None:
+        return ()
+    if isinstance(values, int):
+        values = [values]
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValidationError(name, f"must be a list of integers, got {values!r}")
+    return tuple(values)

@@ -1,0 +1,130 @@
+"""The engine plan: every "auto" choice (device, dtype, threads, KV block size and count, token budget)
+resolved from the hardware and the model, with the reason for each; logged at start, exposed as
+`pipe.engine_plan`."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mii.config import ModelConfig
+from mii.errors import KVCacheError, ValidationError
+
+log = logging.getLogger("mii")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CAP_BYTES = 2 << 30
+
+
+@dataclass
+class EnginePlan:
+    device: str
+    dtype: str
+    num_threads: int
+    kv_block_size: int = 0
+    kv_num_blocks: int = 0
+    kv_cache_bytes: int = 0
+    max_batch_tokens: int = 0
+    max_batch_seqs: int = 0
+    max_context: int = 0
+    attention_backend: str = "torch-sdpa (paged, gathered blocks)"
+    reasons: dict = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def describe(self) -> str:
+        rows = [("device", self.device), ("dtype", self.dtype), ("threads", self.num_threads),
+                ("attention", self.attention_backend), ("kv_block_size", self.kv_block_size),
+                ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
+                              f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
+                ("token budget", self.max_batch_tokens), ("max sequences/step", self.max_batch_seqs),
+                ("max context", self.max_context)]
+        return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def plan_device(cfg: ModelConfig) -> EnginePlan:
+    """Device, dtype and threads: what must be known before the model is built."""
+    reasons = {}
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        reasons["device"] = "auto: " + ("a GPU is visible" if device == "cuda" else "no GPU visible")
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValidationError("device", "cuda was asked for, but torch sees no GPU")
+    dtype = cfg.dtype
+    if dtype == "auto":
+        if device == "cuda":
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            reasons["dtype"] = "auto: the GPU's fastest half precision"
+        elif cpu_has_fast_bf16():
+            dtype = "bfloat16"
+            reasons["dtype"] = "auto: this CPU has native bf16 matmul (avx512_bf16/amx), ~4x fp32"
+        else:
+            dtype = "float32"
+            reasons["dtype"] = "auto: this CPU has no native bf16 matmul"
+    elif dtype == "float16" and device == "cpu":
+        log.warning("float16 matmul is very slow on most CPUs; bfloat16 or float32 is recommended")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = cfg.num_threads or cores
+    if not cfg.num_threads:
+        reasons["threads"] = "auto: every core this process may use"
+    return EnginePlan(device=device, dtype=dtype, num_threads=threads, reasons=reasons)
+
+
+def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, model_max_context: int) -> EnginePlan:
+    """KV block size and count, token budget and context, once the model's KV size per token is known."""
+    sm = cfg.inference_engine_config.state_manager
+    plan.max_context = min(sm.max_context, model_max_context)
+    if sm.max_context > model_max_context:
+        plan.reasons["max context"] = f"capped by the model's {model_max_context} positions"
+    plan.kv_block_size = sm.kv_block_size or (16 if plan.device == "cuda" else 32)
+    if not sm.kv_block_size:
+        plan.reasons["kv_block_size"] = "auto: " + ("16 for GPU kernels" if plan.device == "cuda"
+                                                    else "32: fewer gather indices on CPU, small padding waste")
+    block_bytes = bytes_per_block_token * plan.kv_block_size
+    mem = sm.memory_config
+    if mem.mode == "allocate":
+        plan.kv_num_blocks = mem.size
+        plan.reasons["kv_blocks"] = "memory_config allocate"
+    else:
+        if plan.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            budget = free - mem.size
+            plan.reasons["kv_blocks"] = f"reserve: free GPU memory less {mem.size} bytes"
+        else:
+            budget = min(_available_ram() - mem.size, CPU_KV_CAP_BYTES)
+            plan.reasons["kv_blocks"] = f"reserve: available RAM less {mem.size} bytes, capped at 2 GiB on CPU"
+        # never more than every tracked sequence at full context needs
+        needed = sm.max_tracked_sequences * -(-plan.max_context // plan.kv_block_size)
+        plan.kv_num_blocks = min(max(budget, 0) // block_bytes, needed)
+    if plan.kv_num_blocks < 1:
+        raise KVCacheError(f"the KV cache gets {plan.kv_num_blocks} blocks of {plan.kv_block_size} tokens: "
+                           f"too small for even one sequence (memory_config={mem.model_dump()})")
+    plan.kv_cache_bytes = plan.kv_num_blocks * block_bytes
+    plan.max_batch_tokens = sm.max_ragged_batch_size
+    plan.max_batch_seqs = sm.max_ragged_sequence_count
+    return plan

@@ -1,0 +1,125 @@
+"""Vectorized sampling: one set of tensor ops for the whole batch, per-row parameters.
+
+Random draws come from a counter-based hash of (request seed, generated-token index, vocabulary id), so a
+seeded request samples the same tokens whatever batch it shares, and after a preemption. Sampling uses the
+exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p without a host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors (values kept < 2**32, multipliers < 2**31: no overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x346CA68B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 13)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, V] float32 draws of Exp(1), a pure function of (seed, step, vocabulary id)."""
+    dev = seeds.device
+    h = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32) ^ _mix32(steps + 0x2545F491))  # [S]
+    idx = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) + 0x61C88647)           # [V]
+    x = _mix32(h.unsqueeze(1) ^ idx.unsqueeze(0))                                            # [S, V]
+    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(u)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step, as tensors on the device (built once per step by the runner)."""
+
+    greedy: torch.Tensor          # [S] bool
+    temperature: torch.Tensor     # [S] float
+    top_p: torch.Tensor           # [S] float
+    top_k: torch.Tensor           # [S] long (vocab size when unset)
+    min_p: torch.Tensor           # [S] float
+    seeds: torch.Tensor           # [S] long
+    steps: torch.Tensor           # [S] long: tokens generated so far
+    all_greedy: bool
+    needs_sort: bool              # some sampled row uses top_p < 1 or top_k
+    any_min_p: bool
+    penalties: Optional[tuple] = None  # (rep [S], presence [S], frequency [S], prompt_ids [S, P], output_ids [S, O]) padded with -1
+    banned: Optional[torch.Tensor] = None  # [S, n] long ids to mask (EOS before min_new_tokens), -1 padding
+    logprobs: int = -1            # top-k logprobs to return (max over rows); -1: none
+
+
+@dataclass
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: Optional[list[float]] = None           # chosen token's logprob per row
+    top_ids: Optional[list[list[int]]] = None
+    top_logprobs: Optional[list[list[float]]] = None
+
+
+def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, L] ids padded with -1 → [S, V] occurrence counts."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+    counts.scatter_add_(1, torch.where(ids < 0, vocab, ids), torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
+    rep, presence, frequency, prompt_ids, output_ids = pen
+    V = logits.shape[1]
+    out_counts = _counts(output_ids, V)
+    seen = (out_counts + _counts(prompt_ids, V)) > 0
+    r = rep.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency.unsqueeze(1) * out_counts - presence.unsqueeze(1) * (out_counts > 0)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
+    """logits: [S, V] (any float dtype) → one token per row."""
+    logits = logits.float()
+    raw = logits
+    if sb.penalties is not None:
+        logits = apply_penalties(logits, sb.penalties)
+    if sb.banned is not None:
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        mask.scatter_(1, sb.banned.clamp(min=0), sb.banned >= 0)
+        logits = logits.masked_fill(mask, float("-inf"))
+    tokens = logits.argmax(dim=-1)
+    if not sb.all_greedy:
+        scaled = logits / sb.temperature.clamp(min=1e-5).unsqueeze(1)
+        if sb.needs_sort:
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+            # drop a token when the mass before it already reaches top_p, or it is past top_k
+            drop = (probs.cumsum(dim=-1) - probs >= sb.top_p.unsqueeze(1)) | (rank >= sb.top_k.unsqueeze(1))
+            drop[:, 0] = False
+            scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = scaled.softmax(dim=-1)
+        if sb.any_min_p:
+            probs = probs.masked_fill(probs < sb.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+        sampled = (probs / exponential_noise(sb.seeds, sb.steps, probs.shape[1])).argmax(dim=-1)
+        tokens = torch.where(sb.greedy, tokens, sampled)
+    out = SamplerOutput(tokens.tolist())
+    if sb.logprobs >= 0:
+        lp = raw.log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        out.logprobs = chosen.tolist()
+        if sb.logprobs > 0:
+            top_lp, top_ids = lp.topk(sb.logprobs, dim=-1)
+            out.top_ids, out.top_logprobs = top_ids.tolist(), top_lp.tolist()
+    return out
+
+
+def pad_ids(rows: list[list[int]], device) -> torch.Tensor:
+    width = max(1, max((len(r) for r in rows), default=1))
+    arr = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    return torch.from_numpy(arr).to(device)

@@ -1,0 +1,53 @@
+"""One request's state as the scheduler sees it: token ids, how many are in the KV cache, its block table."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mii.engine.params import GenerationParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    uid: int
+    prompt_ids: list[int]
+    max_total: int
+    """Length (prompt + generated) at which the sequence ends with finish_reason "length"."""
+    params: GenerationParams = field(default_factory=GenerationParams)
+    seed: int = 0
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    """Tokens whose K/V are in the cache; the scheduler catches this up with len(token_ids)."""
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache (1 for a sequence in decode)."""
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,46 @@
+"""Typed exceptions raised by mii's public entry points."""
+
+
+class MIIError(Exception):
+    """Base class of every error mii raises on purpose."""
+
+
+class UnknownArgument(MIIError, TypeError):
+    """A keyword argument that no config or generation parameter accepts (MII's behaviour)."""
+
+
+class ValidationError(MIIError, ValueError):
+    """A value that is out of range or of the wrong type; the message names the field and the value."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class PromptTooLongError(ValidationError):
+    """A prompt that does not fit in the model's context."""
+
+    def __init__(self, prompt_length: int, max_context: int):
+        self.prompt_length = prompt_length
+        self.max_context = max_context
+        super().__init__(
+            "prompt",
+            f"This model's maximum context length is {max_context} tokens, "
+            f"but the prompt has {prompt_length} tokens.",
+        )
+
+
+class ModelLoadError(MIIError, ValueError):
+    """A model that cannot be found, read or mapped onto a supported architecture."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A checkpoint whose architecture has no registered implementation."""
+
+
+class KVCacheError(MIIError, RuntimeError):
+    """The KV cache cannot hold what was asked of it."""
+
+
+class DeploymentNotFoundError(MIIError, LookupError):
+    """No running deployment answers to the given name."""

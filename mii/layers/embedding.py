@@ -1,0 +1,53 @@
+"""Token embedding and LM head, split over the vocabulary across tensor-parallel ranks."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mii.layers.linear import _check_shape
+from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.tp = tp_size()
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // self.tp)
+        self.start = tp_rank() * self.shard
+        rows = max(0, min(self.shard, vocab_size - self.start))
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        part = loaded.narrow(0, self.start, param.shape[0]) if self.tp > 1 else loaded
+        _check_shape(param, part, "embedding")
+        param.data.copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        y = F.embedding(local.clamp(0, max(self.weight.shape[0] - 1, 0)), self.weight) * inside.unsqueeze(-1)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the full vocabulary; shares the embedding's weight when the model ties them."""
+
+    def __init__(self, vocab_size: int, dim: int, bias: bool = False):
+        super().__init__(vocab_size, dim)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.weight.shape[0]), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight, self.bias)
+        if self.tp > 1:
+            pad = self.shard - logits.shape[-1]
+            logits = all_gather_last(F.pad(logits, (0, pad)))[..., : self.vocab_size]
+        return logits

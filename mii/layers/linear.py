@@ -1,0 +1,131 @@
+"""Linear layers whose parameters load their own slice of a checkpoint tensor.
+
+`weight_loader(param, loaded, shard_id)` is how a checkpoint tensor reaches a parameter: column-parallel layers
+keep their rank's rows, row-parallel ones their rank's columns, and fused layers (qkv, gate/up) place each
+checkpoint tensor (`shard_id` "q"/"k"/"v" or 0/1) at its offset.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mii.errors import ModelLoadError
+from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ModelLoadError(f"shape mismatch{' for ' + name if name else ''}: checkpoint has "
+                             f"{tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+
+
+def divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ModelLoadError(f"{what} ({n}) does not divide by tensor_parallel={d}")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_shape(param, loaded)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; `gather_output` rebuilds the full output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False):
+        self.tp = tp_size()
+        super().__init__(in_features, divide(out_features, self.tp, "output features"), bias)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = param.shape[0]
+        loaded = loaded.narrow(0, tp_rank() * rows, rows) if self.tp > 1 else loaded
+        _check_shape(param, loaded)
+        param.data.copy_(loaded)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return all_gather_last(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate/up); `shard_id` is the index of the part."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False):
+        self.out_sizes = list(out_sizes)
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        size = self.out_sizes[shard_id] // self.tp
+        offset = sum(self.out_sizes[:shard_id]) // self.tp
+        part = loaded.narrow(0, tp_rank() * size, size) if self.tp > 1 else loaded
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, part, f"part {shard_id}")
+        target.copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. KV heads are split across ranks, or replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.n_heads = divide(n_heads, tp, "attention heads")
+        if n_kv_heads >= tp:
+            self.n_kv_heads = divide(n_kv_heads, tp, "key/value heads")
+            self.kv_replicas = 1
+        else:
+            self.n_kv_heads = 1
+            self.kv_replicas = divide(tp, n_kv_heads, "ranks per key/value head")
+        out = (self.n_heads + 2 * self.n_kv_heads) * head_dim * tp
+        super().__init__(hidden, out, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        index = tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas
+        part = loaded.narrow(0, index * size, size) if self.tp > 1 else loaded
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, part, f"{shard_id}_proj")
+        target.copy_(part)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed (bias added once, after the sum)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp = tp_size()
+        super().__init__(divide(in_features, self.tp, "input features"), out_features, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 2 and self.tp > 1:
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, tp_rank() * cols, cols)
+        _check_shape(param, loaded)
+        param.data.copy_(loaded)
+
+    def forward(self, x):
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

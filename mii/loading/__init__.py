@@ -1,0 +1,7 @@
+"""Loading: resolve a model reference (folder, cached hub id, .gguf file), read its config, tokenizer and
+weights, and put each checkpoint tensor into the parameter that owns it (layers shard their own slice).
+"""
+from mii.loading.loader import LoadedModel, load_model
+from mii.loading.source import ModelSource, resolve_source
+
+__all__ = ["LoadedModel", "load_model", "ModelSource", "resolve_source"]

@@ -1,0 +1,144 @@
+"""Reading checkpoint tensors: Hugging Face safetensors (single or sharded), `*.bin` (weights only), GGUF.
+
+Each reader yields (Hugging Face parameter name, tensor) pairs; `loader.py` routes them to parameters.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from mii.errors import ModelLoadError
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    index = folder / "pytorch_model.bin.index.json"
+    if index.is_file():
+        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(folder.glob("*.bin"))
+    files = [f for f in files if f.name not in ("training_args.bin",)]
+    if files:
+        return files
+    raise ModelLoadError(f"no *.safetensors or *.bin weights in {folder}")
+
+
+def count_tensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(f, framework="pt") as sf:
+                total += len(list(sf.keys()))
+    return total
+
+
+def iter_folder(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+
+
+# --- GGUF ------------------------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> dict:
+    """A Hugging Face style config.json built from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    return {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs → Hugging Face's rotate-half layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import quants
+
+    permute = config["model_type"] == "llama"
+    for t in reader.tensors:
+        stem, _, kind = t.name.rpartition(".")  # e.g. "blk.3.attn_q", "weight"
+        parts = stem.split(".")
+        if parts[0] == "blk":
+            layer, base = parts[1], parts[2]
+            if base not in _GGUF_NAMES:
+                raise ModelLoadError(f"GGUF tensor {t.name!r} has no known Hugging Face name")
+            name = f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
+        elif stem in _GGUF_NAMES:
+            name = f"{_GGUF_NAMES[stem]}.{kind}"
+        else:
+            raise ModelLoadError(f"GGUF tensor {t.name!r} has no known Hugging Face name")
+        w = quants.dequantize(t.data, t.tensor_type)
+        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads"] if parts[2] == "attn_q" else config["num_key_value_heads"]
+            w = _unpermute(w, heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))

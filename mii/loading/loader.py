@@ -1,0 +1,130 @@
+"""Build a model from its source: config → registry → model class; weights routed to parameters that load
+(and shard) themselves; tokenizer and end-of-sequence ids alongside."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from mii.errors import ModelLoadError
+from mii.loading import checkpoint
+from mii.loading.source import ModelSource
+from mii.models.config import ArchConfig, read_hf_config
+from mii.models.registry import resolve
+
+log = logging.getLogger("mii")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    cfg: ArchConfig
+    tokenizer: object
+    eos_token_ids: tuple
+    source: ModelSource
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_tokenizer(source: ModelSource, tokenizer: Optional[str] = None):
+    from transformers import AutoTokenizer
+
+    try:
+        if tokenizer:
+            return AutoTokenizer.from_pretrained(tokenizer)
+        if source.kind == "gguf":
+            return AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
+        return AutoTokenizer.from_pretrained(str(source.path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {source.name}: {type(e).__name__}: {e}") from None
+
+
+def _eos_ids(source: ModelSource, cfg: ArchConfig, tokenizer) -> tuple:
+    ids = list(cfg.eos_token_ids)
+    gen = source.folder / "generation_config.json" if source.kind == "folder" else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               tokenizer: Optional[str] = None) -> LoadedModel:
+    if source.kind == "gguf":
+        import gguf
+
+        reader = gguf.GGUFReader(str(source.path))
+        hf = checkpoint.gguf_config(reader)
+        tensors, total = checkpoint.iter_gguf(reader, hf), len(reader.tensors)
+    else:
+        hf = read_hf_config(source.path / "config.json")
+        files = checkpoint.checkpoint_files(source.path)
+        tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
+    spec, cfg = resolve(hf)
+    with _default_dtype(dtype), torch.device(device):
+        model = spec.model_class(cfg)
+    load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False))
+    model.eval()
+    tok = load_tokenizer(source, tokenizer)
+    return LoadedModel(model, cfg, tok, _eos_ids(source, cfg, tok), source)
+
+
+def _copy_loader(param, loaded, shard_id=None):
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model, tensors) -> None:
+    """Route (checkpoint name, tensor) pairs to parameters; fail loudly on an unknown or a missing tensor."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = model.packed_modules
+    expected: dict[str, set] = {}
+    for pname in params:
+        shards = {s for part, (target, s) in packed.items() if f".{target}." in f".{pname}"}
+        expected[pname] = shards or {None}
+    if model.cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    seen: dict[str, set] = {}
+    for name, tensor in tensors:
+        if any(name.endswith(k) for k in model.ignored_keys):
+            continue
+        for old, new in model.renames.items():
+            name = name.replace(old, new)
+        if model.cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        pname, shard = name, None
+        for part, (target, s) in packed.items():
+            if f".{part}." in f".{name}":
+                pname, shard = name.replace(part, target), s
+                break
+        param = params.get(pname)
+        if param is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        try:
+            loader = getattr(param, "weight_loader", _copy_loader)
+            loader(param, tensor.to(param.dtype), shard)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+        seen.setdefault(pname, set()).add(shard)
+    missing = [f"{p}" + (f"[{s}]" if s is not None else "") for p, shards in expected.items()
+               for s in shards if s not in seen.get(p, set())]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
