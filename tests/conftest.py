@@ -1,0 +1,36 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    import mii
+
+    return mii.default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, default_model_path) -> Path:
+    """The SmolLM2 tokenizer (read from the embedded GGUF) saved in Hugging Face format, for tiny test models."""
+    from transformers import AutoTokenizer
+
+    path = Path(default_model_path)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_pipe():
+    """The embedded SmolLM2 in fp32, shared by the tests that only read from it."""
+    import mii
+
+    pipe = mii.pipeline(dtype="float32")
+    yield pipe
+    pipe.destroy()
