@@ -22,11 +22,8 @@ class ScheduledChunk:
     start: int
     """Position of the chunk's first token (== seq.num_computed when scheduled)."""
     length: int
-
-    @property
-    def samples(self) -> bool:
-        """A token is sampled after this chunk only when it reaches the sequence's last token."""
-        return self.start + self.length == self.seq.num_tokens
+    samples: bool
+    """A token is sampled after this chunk only when it reaches the sequence's last token."""
 
 
 @dataclass
@@ -93,12 +90,14 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                batch.chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
+                batch.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
                 scheduled.add(id(seq))
                 budget -= 1
 
         # 2. prompt chunks: running sequences part-way through their prompt, then waiting ones in order
-        candidates = [s for s in self.running if s.num_pending > 1] + list(self.waiting)
+        # (a sequence preempted in this step waits for the next one, so it does not take back what it freed)
+        candidates = [s for s in self.running if s.num_pending > 1] + [
+            s for s in self.waiting if not any(s is p for p in batch.preempted)]
         for seq in candidates:
             if budget == 0 or len(batch.chunks) == self.max_batch_seqs:
                 break
@@ -110,20 +109,17 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-            batch.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            batch.chunks.append(ScheduledChunk(seq, seq.num_computed, length, length == seq.num_pending))
             scheduled.add(id(seq))
             budget -= length
 
         # 3. nothing fits while sequences hold blocks mid-prompt: free the newest one so the rest can progress
         if not batch.chunks and self.running:
             self._preempt(self.running[-1], batch)
-            return self.schedule_after_preemption(batch)
+            retry = self.schedule()
+            retry.preempted[:0] = batch.preempted
+            return retry
         return batch
-
-    def schedule_after_preemption(self, batch: ScheduledBatch) -> ScheduledBatch:
-        nxt = self.schedule()
-        nxt.preempted[:0] = batch.preempted
-        return nxt
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
         """Advance computed counts after a forward pass and append each sampled token (keyed by seq uid)."""
