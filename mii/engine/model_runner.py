@@ -28,6 +28,16 @@ class StepOutput:
         return dict(zip(self.uids, self.sampled.tokens))
 
 
+def zeros_lazy(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on CPU from calloc (numpy), so the pages are zeroed by the OS when first touched and a
+    large KV cache costs neither start-up time nor memory until it is used. Zeros matter: masked attention
+    still multiplies by never-written slots, and 0 * NaN would poison the output."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(shape, dtype=np.dtype(f"u{dtype.itemsize}"))
+    return torch.from_numpy(raw).view(dtype)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, eos_token_ids: tuple, vocab_size: int):
@@ -39,7 +49,7 @@ class ModelRunner:
         layers = model.attention_layers()
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
         # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(len(layers), 2, num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), dtype, device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mii.errors import ModelLoadError
-from mii.loading import checkpoint
+from mii.loading import checkpoint, gguf_file
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
 from mii.models.registry import resolve
@@ -39,23 +39,19 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_tokenizer(source: ModelSource, tokenizer: Optional[str] = None):
+def load_tokenizer(folder, tokenizer: Optional[str] = None):
     from transformers import AutoTokenizer
 
     try:
-        if tokenizer:
-            return AutoTokenizer.from_pretrained(tokenizer)
-        if source.kind == "gguf":
-            return AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
-        return AutoTokenizer.from_pretrained(str(source.path))
+        return AutoTokenizer.from_pretrained(tokenizer or str(folder))
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {source.name}: {type(e).__name__}: {e}") from None
+        raise ModelLoadError(f"cannot load the tokenizer from {tokenizer or folder}: {type(e).__name__}: {e}") from None
 
 
-def _eos_ids(source: ModelSource, cfg: ArchConfig, tokenizer) -> tuple:
+def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
     ids = list(cfg.eos_token_ids)
-    gen = source.folder / "generation_config.json" if source.kind == "folder" else None
-    if gen is not None and gen.is_file():
+    gen = folder / "generation_config.json"
+    if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -65,23 +61,17 @@ def _eos_ids(source: ModelSource, cfg: ArchConfig, tokenizer) -> tuple:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                tokenizer: Optional[str] = None) -> LoadedModel:
-    if source.kind == "gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(str(source.path))
-        hf = checkpoint.gguf_config(reader)
-        tensors, total = checkpoint.iter_gguf(reader, hf), len(reader.tensors)
-    else:
-        hf = read_hf_config(source.path / "config.json")
-        files = checkpoint.checkpoint_files(source.path)
-        tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
+    folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
+    hf = read_hf_config(folder / "config.json")
+    files = checkpoint.checkpoint_files(folder)
+    tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
     spec, cfg = resolve(hf)
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
     load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False))
     model.eval()
-    tok = load_tokenizer(source, tokenizer)
-    return LoadedModel(model, cfg, tok, _eos_ids(source, cfg, tok), source)
+    tok = load_tokenizer(folder, tokenizer)
+    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source)
 
 
 def _copy_loader(param, loaded, shard_id=None):

@@ -1,0 +1,145 @@
+"""GGUF files: config, tokenizer and dequantized weights read with the `gguf` package, converted once into a
+Hugging Face folder (config.json, model.safetensors in float32, tokenizer files) in mii's cache directory, so
+later loads take the ordinary folder path and skip the slow parse. The cache key is the file's path, size and
+modification time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from mii.envs import cache_dir
+from mii.errors import ModelLoadError
+
+FORMAT_VERSION = 1
+
+# --- GGUF ------------------------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> dict:
+    """A Hugging Face style config.json built from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    return {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs → Hugging Face's rotate-half layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import quants
+
+    permute = config["model_type"] == "llama"
+    for t in reader.tensors:
+        stem, _, kind = t.name.rpartition(".")  # e.g. "blk.3.attn_q", "weight"
+        parts = stem.split(".")
+        if parts[0] == "blk":
+            layer, base = parts[1], parts[2]
+            if base not in _GGUF_NAMES:
+                raise ModelLoadError(f"GGUF tensor {t.name!r} has no known Hugging Face name")
+            name = f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
+        elif stem in _GGUF_NAMES:
+            name = f"{_GGUF_NAMES[stem]}.{kind}"
+        else:
+            raise ModelLoadError(f"GGUF tensor {t.name!r} has no known Hugging Face name")
+        w = quants.dequantize(t.data, t.tensor_type)
+        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads"] if parts[2] == "attn_q" else config["num_key_value_heads"]
+            w = _unpermute(w, heads)
+        yield name, torch.from_numpy(np.array(w, copy=True))
+
+
+def cached_folder(path: Path, name: str) -> Path:
+    """The Hugging Face folder converted from `path`, converting it on first use."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{FORMAT_VERSION}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
+    try:
+        _convert(path, tmp, name)
+        try:
+            os.rename(tmp, folder)  # atomic: a concurrent conversion of the same file simply loses the race
+        except OSError:
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _convert(path: Path, out: Path, name: str) -> None:
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    config = gguf_config(reader)
+    tensors = dict(tqdm(iter_gguf(reader, config), total=len(reader.tensors), desc=f"Converting {name} (GGUF, once)",
+                        unit="tensor", leave=False))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {e}") from None
+    tok.save_pretrained(str(out))
