@@ -43,10 +43,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int, hf_model=Non
 
     model = hf_model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos=True: EOS may be generated, it just does not stop
     results = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
                                  do_sample=False, output_scores=True, output_logits=True,
                                  return_dict_in_generate=True, pad_token_id=0)
             tokens = out.sequences[0, len(ids):].tolist()
@@ -66,9 +67,14 @@ def assert_matches_transformers(model_dir, prompts=None, new_tokens: int = 32, b
     pipe = mii.pipeline(str(model_dir), dtype="float32", inference_engine_config={
         "state_manager": {"max_ragged_batch_size": budget, "kv_block_size": 8}}, **pipeline_kwargs)
     try:
-        outs = pipe(prompts, max_new_tokens=new_tokens, do_sample=False, ignore_eos=True, logprobs=5)
+        return compare_greedy(pipe, prompts, ref, new_tokens, atol)
     finally:
         pipe.destroy()
+
+
+def compare_greedy(pipe, prompts, ref, new_tokens: int, atol: float):
+    """Run `prompts` through `pipe` greedily and compare with `hf_greedy`'s results `ref`."""
+    outs = pipe(prompts, max_new_tokens=new_tokens, do_sample=False, ignore_eos=True, logprobs=5)
     for i, (out, (tokens, hf_lp)) in enumerate(zip(outs, ref)):
         assert out.token_ids == tokens, f"prompt {i}: mii {out.token_ids} != transformers {tokens}"
         for step, (ours, theirs) in enumerate(zip(out.logprobs, hf_lp)):

@@ -32,7 +32,7 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> t
     h = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32) ^ _mix32(steps + 0x2545F491))  # [S]
     idx = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) + 0x61C88647)           # [V]
     x = _mix32(h.unsqueeze(1) ^ idx.unsqueeze(0))                                            # [S, V]
-    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    u = ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))  # uniform in (0, 1): 23 bits, so 1 - u > 0 in float32
     return -torch.log(u)
 
 

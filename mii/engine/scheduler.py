@@ -46,6 +46,7 @@ class Scheduler:
         self.max_batch_seqs = max_batch_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -69,6 +70,7 @@ class Scheduler:
         self.kv.release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

@@ -1,0 +1,173 @@
+"""`mii.pipeline` on the embedded SmolLM2 (fp32): reference match, invariance, sampling, stops, streaming."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import mii
+from tests.reference import compare_greedy, hf_greedy
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(default_pipe):
+    return default_pipe.apply_chat_template(QUESTION)
+
+
+def mixed_prompts(pipe, n=16):
+    words = "the quick brown fox jumps over a lazy dog while seven bright stars shine above the quiet sea".split()
+    texts = [" ".join(words[: 3 + (i * 5) % 17]) * (1 + i % 4) for i in range(n)]
+    return texts
+
+
+def test_smollm2_greedy_matches_transformers(default_pipe, default_model_path, chat_prompt):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tok = default_pipe.tokenizer
+    prompts = [tok.encode(p) for p in (chat_prompt, "The history of Paris", "def fibonacci(n):\n    ")]
+    ref = hf_greedy(None, prompts, 32, hf_model=hf)
+    compare_greedy(default_pipe, prompts, ref, 32, atol=2e-3)
+
+
+def test_capital_of_france(default_pipe, chat_prompt):
+    out = default_pipe(chat_prompt, max_new_tokens=30, do_sample=False)[0]
+    assert "Paris" in out.generated_text
+    assert out.finish_reason == "stop" and out.prompt_length == len(default_pipe.tokenizer.encode(chat_prompt))
+
+
+def test_invariance_batch_chunking_preemption(default_pipe, chat_prompt):
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    alone = default_pipe(chat_prompt, **kwargs)[0]
+    prompts = mixed_prompts(default_pipe)
+    prompts[5] = chat_prompt
+    batched = default_pipe(prompts, **kwargs)
+    assert batched[5] == alone
+    small_budget = mii.pipeline(dtype="float32", inference_engine_config={"state_manager": {"max_ragged_batch_size": 16}})
+    try:
+        assert small_budget(prompts, **kwargs)[5] == alone
+    finally:
+        small_budget.destroy()
+    # 24 blocks of 8 tokens: the 16 prompts cannot all stay in the cache, so sequences are preempted and recomputed
+    tiny_kv = mii.pipeline(dtype="float32", inference_engine_config={"state_manager": {
+        "kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 24}}})
+    try:
+        again = tiny_kv(prompts, **kwargs)
+        assert tiny_kv.engine.scheduler.num_preemptions > 0
+        assert again[5] == alone
+        assert again == batched
+        assert tiny_kv.engine.kv.allocator.num_free == 24
+    finally:
+        tiny_kv.destroy()
+
+
+def test_seeded_sampling(default_pipe, chat_prompt):
+    kw = dict(max_new_tokens=24, do_sample=True, temperature=1.0, top_p=0.95)
+    a = default_pipe([chat_prompt], seed=123, **kw)[0]
+    b = default_pipe([chat_prompt, "Once upon a time"], seed=123, **kw)[0]  # other company, same seed
+    c = default_pipe([chat_prompt], seed=124, **kw)[0]
+    d = default_pipe([chat_prompt], seed=125, **kw)[0]
+    assert a.generated_text == b.generated_text
+    assert len({a.generated_text, c.generated_text, d.generated_text}) == 3
+
+
+def test_sampling_follows_the_distribution(default_pipe):
+    """top_k=2 sampling of one token, many seeds: only the two most likely tokens appear, in roughly their odds."""
+    prompt = "My favourite colour is"
+    out = default_pipe([prompt], max_new_tokens=1, do_sample=False, logprobs=2)[0]
+    top = out.logprobs[0]["top_logprobs"]
+    (t1, l1), (t2, l2) = sorted(top.items(), key=lambda kv: -kv[1])
+    p1 = torch.tensor([l1, l2]).softmax(0)[0].item()
+    outs = default_pipe([prompt] * 200, max_new_tokens=1, do_sample=True, top_k=2, top_p=1.0, temperature=1.0,
+                        seed=list(range(200)))
+    ids = [o.token_ids[0] for o in outs]
+    assert set(ids) <= {t1, t2}
+    assert abs(ids.count(t1) / 200 - p1) < 0.12
+
+
+def test_stop_string_spanning_tokens(default_pipe, chat_prompt):
+    tok = default_pipe.tokenizer
+    full = default_pipe(chat_prompt, max_new_tokens=30, do_sample=False)[0]
+    ids = full.token_ids
+    # a stop string made of the end of one token and the start of the next
+    pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    i = next(i for i in range(1, len(ids)) if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i - 1]) >= 2)
+    stop = pieces[i - 1][-2:] + pieces[i][len(pieces[i - 1]): len(pieces[i - 1]) + 1]
+    cut = full.generated_text.index(stop)
+    out = default_pipe(chat_prompt, max_new_tokens=30, do_sample=False, stop=[stop, "no such text"])[0]
+    assert out.generated_text == full.generated_text[:cut]
+    assert out.finish_reason == "stop"
+    streamed = "".join(c.generated_text for c in default_pipe.stream(chat_prompt, max_new_tokens=30, do_sample=False, stop=stop))
+    assert streamed == out.generated_text
+
+
+def test_finish_reasons_and_lengths(default_pipe, chat_prompt):
+    eos = default_pipe(chat_prompt, max_new_tokens=30, do_sample=False)[0]
+    assert eos.finish_reason == "stop" and eos.generated_length == len(eos.token_ids) < 30
+    length = default_pipe(chat_prompt, max_new_tokens=3, do_sample=False)[0]
+    assert length.finish_reason == "length" and length.generated_length == 3
+    n_prompt = length.prompt_length
+    by_max_length = default_pipe(chat_prompt, max_length=n_prompt + 4, do_sample=False)[0]
+    assert by_max_length.finish_reason == "length" and by_max_length.generated_length == 4
+    stop_id = eos.token_ids[2]
+    by_id = default_pipe(chat_prompt, max_new_tokens=30, do_sample=False, stop_token_ids=[stop_id])[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == eos.token_ids[:3]
+    longer = default_pipe(chat_prompt, max_new_tokens=30, min_new_tokens=len(eos.token_ids) + 3, do_sample=False)[0]
+    assert longer.generated_length >= len(eos.token_ids) + 3
+    ignore = default_pipe(chat_prompt, max_new_tokens=len(eos.token_ids) + 3, ignore_eos=True, do_sample=False)[0]
+    assert ignore.finish_reason == "length" and ignore.token_ids[: len(eos.token_ids)] == eos.token_ids
+
+
+def test_streaming_concatenates(default_pipe, chat_prompt):
+    prompts = [chat_prompt, "Tell me about the moon. The moon"]
+    full = default_pipe(prompts, max_new_tokens=20, do_sample=False)
+    chunks = list(default_pipe.stream(chat_prompt, max_new_tokens=20, do_sample=False))
+    assert all(isinstance(c, mii.Response) for c in chunks)
+    assert "".join(c.generated_text for c in chunks) == full[0].generated_text
+    assert [c.finish_reason for c in chunks[:-1]] == ["none"] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == full[0].finish_reason
+    texts = ["", ""]
+    for step in default_pipe.stream(prompts, max_new_tokens=20, do_sample=False):
+        assert isinstance(step, list) and len(step) == 2
+        for i, r in enumerate(step):
+            texts[i] += r.generated_text
+    assert texts == [r.generated_text for r in full]
+
+
+def test_token_id_prompts_full_text_and_per_prompt_params(default_pipe, chat_prompt):
+    ids = default_pipe.tokenizer.encode("The Eiffel Tower is")
+    a = default_pipe(ids, max_new_tokens=8, do_sample=False)[0]
+    b = default_pipe("The Eiffel Tower is", max_new_tokens=8, do_sample=False)[0]
+    assert a == b and a.prompt_length == len(ids)
+    full = default_pipe("The Eiffel Tower is", max_new_tokens=8, do_sample=False, return_full_text=True)[0]
+    assert full.generated_text == "The Eiffel Tower is" + b.generated_text
+    outs = default_pipe([ids, chat_prompt], max_new_tokens=[3, 5], do_sample=False, ignore_eos=True)
+    assert [o.generated_length for o in outs] == [3, 5]
+    assert str(outs[0]) == outs[0].generated_text
+
+
+def test_penalties_and_logprobs(default_pipe):
+    prompt = "one two one two one two one two"
+    plain = default_pipe(prompt, max_new_tokens=12, do_sample=False, logprobs=3)[0]
+    assert len(plain.logprobs) == 12 and all(len(x["top_logprobs"]) == 3 for x in plain.logprobs)
+    assert all(x["logprob"] <= 0 for x in plain.logprobs)
+    penalized = default_pipe(prompt, max_new_tokens=12, do_sample=False, repetition_penalty=1.8)[0]
+    assert penalized.token_ids != plain.token_ids
+    freq = default_pipe(prompt, max_new_tokens=12, do_sample=False, frequency_penalty=2.0, presence_penalty=1.0)[0]
+    assert len(set(freq.token_ids)) > len(set(plain.token_ids))
+
+
+def test_mii_compatibility_forms(default_model_path):
+    pipe = mii.pipeline(model_config={"model_name_or_path": default_model_path, "task": "text-generation",
+                                      "tensor_parallel": 1, "device_map": mii.config.DEVICE_MAP_DEFAULT,
+                                      "dtype": "float32"})
+    try:
+        assert mii.TaskType.TEXT_GENERATION == "text-generation" and mii.DeploymentType.LOCAL == "local"
+        out = pipe("DeepSpeed is", max_new_tokens=4, do_sample=False)
+        assert isinstance(out, list) and len(out) == 1 and out[0].generated_length == 4
+    finally:
+        pipe.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        pipe("again")
