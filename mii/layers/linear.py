@@ -2,7 +2,9 @@
 
 `weight_loader(param, loaded, shard_id)` is how a checkpoint tensor reaches a parameter: column-parallel layers
 keep their rank's rows, row-parallel ones their rank's columns, and fused layers (qkv, gate/up) place each
-checkpoint tensor (`shard_id` "q"/"k"/"v" or 0/1) at its offset.
+checkpoint tensor (`shard_id` "q"/"k"/"v" or 0/1) at its offset. Checkpoints that store the fused tensor
+already (Phi-3's qkv_proj and gate_up_proj, Qwen's c_attn) pass `shard_id` "qkv" / "all": the layer splits it
+into its parts and loads each as above, so tensor parallelism still takes the right rows.
 """
 from __future__ import annotations
 
@@ -78,6 +80,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id == "all":  # the checkpoint stores the parts concatenated: [part 0; part 1; ...]
+            for i, part in enumerate(loaded.split(self.out_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
         size = self.out_sizes[shard_id] // self.tp
         offset = sum(self.out_sizes[:shard_id]) // self.tp
         part = loaded.narrow(0, tp_rank() * size, size) if self.tp > 1 else loaded
@@ -92,6 +98,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv_heads: int, bias: bool = False):
         tp = tp_size()
         self.head_dim = head_dim
+        self.total_sizes = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
         self.n_heads = divide(n_heads, tp, "attention heads")
         if n_kv_heads >= tp:
             self.n_kv_heads = divide(n_kv_heads, tp, "key/value heads")
@@ -103,6 +110,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, out, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id == "qkv":  # the checkpoint stores [q; k; v] concatenated
+            for sid, part in zip("qkv", loaded.split(self.total_sizes, dim=0)):
+                self.weight_loader(param, part, sid)
+            return
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         index = tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas

@@ -40,3 +40,12 @@ class LayerNorm(nn.LayerNorm):
             x = residual = x + residual
         y = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return y if residual is None else (y, residual)
+
+
+def build_norm(kind: str, dim: int, eps: float, offset: float = 0.0) -> nn.Module:
+    """"rms" → RMSNorm (scale offset + weight), "layer" → LayerNorm with bias."""
+    if kind == "rms":
+        return RMSNorm(dim, eps, offset)
+    if kind == "layer":
+        return LayerNorm(dim, eps)
+    raise ValueError(f"unknown norm kind {kind!r} (expected 'rms' or 'layer')")

@@ -48,7 +48,24 @@ def _yarn(inv_freq: torch.Tensor, rot_dim: int, theta: float, s: dict, max_pos: 
     return inv, mscale
 
 
+def _longrope(rot_dim: int, theta: float, s: dict, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Phi-3's LongRoPE ("su"): per-frequency divisors, short ones within the pretraining context, long ones
+    beyond it; cos/sin scaled by sqrt(1 + ln(factor) / ln(original context))."""
+    old_ctx = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_pos / old_ctx
+    mscale = s.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(old_ctx)) if factor > 1 else 1.0)
+    base = theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)
+    short = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base)
+    long = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * base)
+    return short, long, mscale
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin for every position. LongRoPE picks its table per position: the short factors below
+    `original_max_position_embeddings`, the long ones from there on. (transformers recomputes a whole sequence
+    with the long factors once it outgrows that length; a paged KV cache keeps the keys it has, so sequences
+    that cross it can differ from transformers after the crossing. Sequences that stay below match exactly.)"""
+
     def __init__(self, head_dim: int, rot_dim: int, max_pos: int, theta: float, scaling: Optional[dict] = None):
         super().__init__()
         self.rot_dim = rot_dim
@@ -61,10 +78,16 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3(inv_freq, scaling)
         elif kind == "yarn":
             inv_freq, mscale = _yarn(inv_freq, rot_dim, theta, scaling, max_pos)
+        elif kind in ("longrope", "su"):
+            inv_freq, long_inv_freq, mscale = _longrope(rot_dim, theta, scaling, max_pos)
         elif kind != "default":
-            raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+            raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} "
+                                        "(supported: default, linear, llama3, yarn, longrope)")
         t = torch.arange(max_pos, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_pos, rot_dim / 2]
+        if kind in ("longrope", "su"):
+            long = t >= scaling["original_max_position_embeddings"]
+            freqs[long] = torch.outer(t[long], long_inv_freq)
         self.register_buffer("cos", (freqs.cos() * mscale), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale), persistent=False)
 

@@ -82,37 +82,47 @@ def _copy_loader(param, loaded, shard_id=None):
 
 
 def load_weights(model, tensors) -> None:
-    """Route (checkpoint name, tensor) pairs to parameters; fail loudly on an unknown or a missing tensor."""
+    """Route (checkpoint name, tensor) pairs to parameters; fail loudly on an unknown or a missing tensor.
+
+    Per pair: the model's `checkpoint_tensors` (re-layouts), `ignored_keys`, `renames`, then stacked MoE experts
+    (`expert_shard`) or `packed_modules` pick the parameter and shard id its `weight_loader` receives. A parameter
+    lists the shards it needs in `shard_ids`, or they come from `packed_modules`.
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
     expected: dict[str, set] = {}
-    for pname in params:
+    for pname, param in params.items():
         shards = {s for part, (target, s) in packed.items() if f".{target}." in f".{pname}"}
-        expected[pname] = shards or {None}
+        expected[pname] = getattr(param, "shard_ids", None) or shards or {None}
     if model.cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     seen: dict[str, set] = {}
-    for name, tensor in tensors:
-        if any(name.endswith(k) for k in model.ignored_keys):
-            continue
-        for old, new in model.renames.items():
-            name = name.replace(old, new)
-        if model.cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        pname, shard = name, None
-        for part, (target, s) in packed.items():
-            if f".{part}." in f".{name}":
-                pname, shard = name.replace(part, target), s
-                break
-        param = params.get(pname)
-        if param is None:
-            raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-        try:
-            loader = getattr(param, "weight_loader", _copy_loader)
-            loader(param, tensor.to(param.dtype), shard)
-        except ModelLoadError as e:
-            raise ModelLoadError(f"{name}: {e}") from None
-        seen.setdefault(pname, set()).add(shard)
+    for raw_name, raw_tensor in tensors:
+        for name, tensor in model.checkpoint_tensors(raw_name, raw_tensor):
+            if any(name.endswith(k) for k in model.ignored_keys):
+                continue
+            for old, new in model.renames.items():
+                name = name.replace(old, new)
+            if model.cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            pname, shard = name, None
+            expert = model.expert_shard(name)
+            if expert is not None:
+                pname, shard = expert
+            else:
+                for part, (target, s) in packed.items():
+                    if f".{part}." in f".{name}":
+                        pname, shard = name.replace(part, target), s
+                        break
+            param = params.get(pname)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+            try:
+                loader = getattr(param, "weight_loader", _copy_loader)
+                loader(param, tensor.to(param.dtype), shard)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{name}: {e}") from None
+            seen.setdefault(pname, set()).add(shard)
     missing = [f"{p}" + (f"[{s}]" if s is not None else "") for p, shards in expected.items()
                for s in shards if s not in seen.get(p, set())]
     if missing:

@@ -1,7 +1,14 @@
 """`ArchConfig`: a Hugging Face `config.json` normalized once into a frozen dataclass.
 
-Model code reads only these fields, never the raw HF config. Family-specific knobs that most models lack live
-in `extra` (read with `cfg.get(name, default)`).
+Model code reads only these fields, never the raw HF config. Each family's normalizer (`llama_like` plus the
+overrides a family passes) is the only code that reads HF keys. Family-specific knobs that most models lack live
+in `extra` (read with `cfg.get(name, default)`):
+
+- `o_proj_bias` (bool): bias on the attention output projection.
+- `attn_scale` (float): softmax scale when it is not head_dim ** -0.5 (Gemma-3: query_pre_attn_scalar ** -0.5).
+- `local_rope_theta` (float): rotary base of the sliding-window layers (Gemma-3), scaling-free.
+- `final_logit_softcap` (float): logits = cap * tanh(logits / cap) (Gemma-3, when set).
+- `position_offset` (int): index offset of learned position embeddings (OPT: 2).
 """
 from __future__ import annotations
 
@@ -11,6 +18,25 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 from mii.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: top-k routing over `num_experts` gated experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    """True: the selected experts' softmax weights are renormalized to sum to 1 (Mixtral); False: kept as the
+    softmax over all experts (Qwen2-MoE unless `norm_topk_prob`)."""
+    shared_intermediate_size: int = 0
+    """Size of an always-on shared expert whose output is scaled by sigmoid(shared_expert_gate(x)); 0: none."""
+    sparse_layers: Optional[tuple] = None
+    """Indices of the layers that use the MoE MLP (None: all); the others use a dense `intermediate_size` MLP."""
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers is None or layer in self.sparse_layers
 
 
 @dataclass(frozen=True)
@@ -37,6 +63,30 @@ class ArchConfig:
     """Sliding window of each layer (None: full attention); empty means no layer has one."""
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
+    norm: str = "rms"
+    """"rms" (RMSNorm) or "layer" (LayerNorm with bias)."""
+    norm_offset: float = 0.0
+    """RMSNorm scales by (norm_offset + weight); Gemma stores weight - 1 and uses 1."""
+    block: str = "pre_norm"
+    """Decoder layer wiring: "pre_norm" (Llama: x + attn(norm(x)), then x + mlp(norm(x))); "parallel" (Falcon,
+    Phi-2: x + attn(norm(x)) + mlp(norm'(x))); "post_norm" (OPT-350m: norm(x + attn(x)), then norm(x + mlp(x)));
+    "sandwich" (Gemma-3: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))))."""
+    parallel_norms: int = 1
+    """"parallel" block: 1 norm shared by attention and MLP (Falcon-7B, Phi-2) or 2 (Falcon-40B's ln_attn/ln_mlp)."""
+    mlp: str = "gated"
+    """"gated" (down(act(gate(x)) * up(x))) or "plain" (fc2(act(fc1(x))))."""
+    qk_norm: Optional[str] = None
+    """Per-head norm of q and k before rotary: None, "rms" (Qwen3, Gemma-3) or "layer" (Phi-2's qk_layernorm)."""
+    learned_positions: bool = False
+    """Absolute position embeddings added to the token embeddings (OPT) instead of rotary."""
+    embed_scale: Optional[float] = None
+    """Token embeddings are multiplied by this (Gemma: sqrt(hidden_size))."""
+    embed_dim: Optional[int] = None
+    """Width of the token embeddings and LM head when it differs from hidden_size (OPT-350m's project_in/out)."""
+    final_norm: bool = True
+    """Whether the decoder ends with a norm (OPT-350m's post-norm layout has none)."""
+    lm_head_bias: bool = False
+    moe: Optional[MoEConfig] = None
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def get(self, name: str, default=None):
@@ -80,8 +130,18 @@ def layer_windows_from_hf(hf: dict, num_layers: int) -> tuple:
     if types:
         return tuple(window if t == "sliding_attention" else None for t in types)
     if window and hf.get("use_sliding_window", True):
+        first = hf.get("max_window_layers") if "use_sliding_window" in hf else None  # Qwen2/3: the top layers only
+        if first is not None:
+            return tuple(window if i >= first else None for i in range(num_layers))
         return (window,) * num_layers
     return ()
+
+
+def partial_rotary_factor(hf: dict) -> float:
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    return float(hf.get("partial_rotary_factor", 1.0))
 
 
 def llama_like(hf: dict, **overrides) -> ArchConfig:

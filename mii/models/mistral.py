@@ -1,6 +1,6 @@
 """Mistral: the Llama decoder with a sliding attention window (`sliding_window` in config.json)."""
 from mii.models.config import llama_like
-from mii.models.llama import CausalLM
+from mii.models.decoder import CausalLM
 from mii.models.registry import register
 
 

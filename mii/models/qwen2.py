@@ -1,6 +1,6 @@
 """Qwen2: the Llama decoder with biases on q/k/v (not on o_proj) and optional per-layer sliding windows."""
 from mii.models.config import llama_like
-from mii.models.llama import CausalLM
+from mii.models.decoder import CausalLM
 from mii.models.registry import register
 
 
