@@ -23,6 +23,8 @@ _LIST_VALUED = {"stop", "stop_token_ids"}
 def normalize_prompts(prompts) -> tuple[list[Prompt], bool]:
     """(prompts as a list, whether a single prompt was given). A flat list of ints is one token-id prompt."""
     if isinstance(prompts, str):
+        if not prompts:
+            raise ValidationError("prompts", "the prompt is empty")
         return [prompts], True
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [list(prompts)], True

@@ -1,0 +1,24 @@
+"""The README's first command: `mii generate` with the embedded default model (auto dtype: bf16 here)."""
+import subprocess
+import sys
+from pathlib import Path
+
+MII = str(Path(sys.executable).parent / "mii")
+
+
+def test_generate_default_model_answers_paris():
+    out = subprocess.run([MII, "generate", "What is the capital of France?", "--max-new-tokens", "24"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in out.stdout
+    assert "dtype" in out.stderr  # the engine plan is logged
+
+
+def test_generate_bad_model_is_a_clear_error():
+    out = subprocess.run([MII, "generate", "/no/such/dir", "hi"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "not found: /no/such/dir" in out.stderr
+
+
+def test_help_reads_well():
+    out = subprocess.run([MII, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "generate" in out.stdout

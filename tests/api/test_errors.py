@@ -1,0 +1,60 @@
+"""Bad input gets a precise, typed error and leaves the pipeline usable."""
+import pytest
+
+import mii
+from mii.errors import PromptTooLongError, UnknownArgument, ValidationError
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(max_new_tokenz=3), UnknownArgument, "max_new_tokenz"),
+    (dict(max_new_tokens=0), ValidationError, "max_new_tokens"),
+    (dict(max_new_tokens=-5), ValidationError, "max_new_tokens"),
+    (dict(top_p=0.0), ValidationError, "top_p"),
+    (dict(top_p=1.5), ValidationError, "top_p"),
+    (dict(temperature=-0.1), ValidationError, "temperature"),
+    (dict(stop=5), ValidationError, "stop"),
+    (dict(stop=["ok", 3]), ValidationError, "stop"),
+    (dict(top_k="ten"), ValidationError, "top_k"),
+    (dict(max_new_tokens=[1, 2, 3]), ValidationError, "3 values for 1 prompts"),
+])
+def test_bad_generation_arguments(default_pipe, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        default_pipe("Hello", **kwargs)
+    assert default_pipe.engine.has_unfinished() is False
+    assert default_pipe("Hello", max_new_tokens=2, do_sample=False)[0].generated_length == 2
+
+
+@pytest.mark.parametrize("prompts, words", [
+    ([], "empty"),
+    ("", "empty"),
+    (["fine", ""], r"prompts\[1\]"),
+    ([None], r"prompts\[0\]"),
+    (42, "prompts"),
+])
+def test_bad_prompts(default_pipe, prompts, words):
+    with pytest.raises(ValidationError, match=words):
+        default_pipe(prompts, max_new_tokens=2)
+    assert default_pipe("Hello", max_new_tokens=2, do_sample=False)[0].generated_length == 2
+
+
+def test_prompt_longer_than_context(default_pipe):
+    ctx = default_pipe.engine_plan.max_context
+    with pytest.raises(PromptTooLongError, match=rf"maximum context length is {ctx} tokens.*{ctx + 10} tokens"):
+        default_pipe(["fine", [5] * (ctx + 10)], max_new_tokens=2)
+    # nothing of the failed call was queued; the good prompt of that call can be served now
+    assert not default_pipe.engine.has_unfinished()
+    assert default_pipe("fine", max_new_tokens=2, do_sample=False)[0].generated_length == 2
+
+
+def test_token_ids_outside_vocabulary(default_pipe):
+    with pytest.raises(ValidationError, match="outside the vocabulary"):
+        default_pipe([[1, 2, 10**7]], max_new_tokens=2)
+
+
+def test_bad_pipeline_arguments(default_model_path):
+    with pytest.raises(UnknownArgument, match="replicas"):
+        mii.pipeline(default_model_path, replicas=2)
+    with pytest.raises(ValidationError, match="dtype"):
+        mii.pipeline(default_model_path, dtype="int3")
+    with pytest.raises(UnknownArgument, match="kv_blocks"):
+        mii.pipeline(default_model_path, inference_engine_config={"state_manager": {"kv_blocks": 3}})

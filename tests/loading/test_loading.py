@@ -1,0 +1,115 @@
+"""Loading from folders (safetensors, sharded, .bin), the hub cache offline, and clear errors."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import mii
+from mii.errors import ModelLoadError, UnsupportedModelError
+from tests.reference import TINY, assert_matches_transformers, tiny_checkpoint
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer_dir):
+    return tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path_factory.mktemp("llama"), tokenizer_dir)
+
+
+def greedy(path, **kw):
+    pipe = mii.pipeline(str(path), dtype="float32", **kw)
+    try:
+        return pipe([[5, 6, 7, 8]], max_new_tokens=8, do_sample=False, ignore_eos=True)[0].token_ids
+    finally:
+        pipe.destroy()
+
+
+def test_pytorch_bin_weights(tiny_llama, tmp_path):
+    from safetensors.torch import load_file
+
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    assert greedy(tmp_path) == greedy(tiny_llama)
+
+
+def test_hub_id_from_local_cache_offline(tiny_llama, tmp_path):
+    """A hub id resolved by huggingface_hub from a cache laid out as the hub writes it, with HF_HUB_OFFLINE=1."""
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_llama, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    code = ("import mii; p = mii.pipeline('tiny-org/tiny-llama', dtype='float32'); "
+            "print(p([[5, 6, 7, 8]], max_new_tokens=8, do_sample=False, ignore_eos=True)[0].token_ids)")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(greedy(tiny_llama))
+    env["HF_HUB_CACHE"] = str(tmp_path / "empty")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "tiny-org/tiny-llama" in out.stderr
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="not found: /no/such/model"):
+        mii.pipeline("/no/such/model")
+    with pytest.raises(ModelLoadError, match="not found"):
+        mii.pipeline("/no/such/model.gguf")
+
+
+def test_unknown_architecture(tiny_llama, tmp_path):
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(architectures=["FancyNewForCausalLM"], model_type="fancy")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=r"FancyNewForCausalLM.*supported model_types: .*llama"):
+        mii.pipeline(str(tmp_path))
+
+
+def _edit_weights(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    state = load_file(str(dst / "model.safetensors"))
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"))
+
+
+def test_missing_and_mismatched_tensors(tiny_llama, tmp_path):
+    _edit_weights(tiny_llama, tmp_path / "a", lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
+        mii.pipeline(str(tmp_path / "a"))
+
+    def shrink(s):
+        s["model.layers.0.mlp.down_proj.weight"] = s["model.layers.0.mlp.down_proj.weight"][:, :100].contiguous()
+    _edit_weights(tiny_llama, tmp_path / "b", shrink)
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.down_proj\.weight.*\(64, 100\).*\(64, 128\)"):
+        mii.pipeline(str(tmp_path / "b"))
+
+    def extra(s):
+        s["model.layers.0.self_attn.surprise.weight"] = torch.zeros(2)
+    _edit_weights(tiny_llama, tmp_path / "c", extra)
+    with pytest.raises(ModelLoadError, match="surprise"):
+        mii.pipeline(str(tmp_path / "c"))
+
+
+def test_gguf_file_loads_and_caches(default_model_path, tmp_path):
+    """The embedded GGUF converts once into the cache; a second load reuses it and gives the same tokens."""
+    env = {**os.environ, "MII_CACHE_DIR": str(tmp_path / "cache")}
+    code = (f"import mii; p = mii.pipeline({default_model_path!r}, dtype='float32'); "
+            "print(p('Hello', max_new_tokens=6, do_sample=False)[0].token_ids)")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    converted = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+    assert (converted[0] / "tokenizer.json").is_file() or (converted[0] / "tokenizer_config.json").is_file()
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]
+    assert "Converting" not in second.stderr
