@@ -2,6 +2,8 @@
 
     pipe = mii.pipeline("path/or/hub-id")   # or no argument: the embedded SmolLM2-135M-Instruct
     pipe(["DeepSpeed is", "Seattle is"], max_new_tokens=128)
+    client = mii.serve("path/or/hub-id", deployment_name="my-deployment")   # persistent: separate processes
+    mii.client("my-deployment").generate("Hello", max_new_tokens=64)
 """
 import logging as _logging
 
@@ -12,6 +14,21 @@ from mii.pipeline import MIIPipeline, pipeline
 from mii.response import Response
 
 __version__ = "0.1.0"
+
+
+def serve(model_name_or_path=None, model_config=None, mii_config=None, **kwargs):
+    """Start a persistent deployment (separate processes, gRPC + optional HTTP/OpenAI API); returns its
+    `MIIClient` once it answers. See `mii.serving`."""
+    from mii.serving import serve as _serve
+
+    return _serve(model_name_or_path, model_config, mii_config, **kwargs)
+
+
+def client(deployment_name_or_model):
+    """The `MIIClient` of a running deployment on this host; `DeploymentNotFoundError` when there is none."""
+    from mii.serving import client as _client
+
+    return _client(deployment_name_or_model)
 
 
 def default_model() -> str:
@@ -30,4 +47,4 @@ if not _log.handlers:
     _log.propagate = False
 
 __all__ = ["pipeline", "MIIPipeline", "Response", "ModelConfig", "MIIConfig", "TaskType", "DeploymentType",
-           "UnknownArgument", "DeploymentNotFoundError", "default_model", "config"]
+           "UnknownArgument", "DeploymentNotFoundError", "default_model", "config", "serve", "client"]

@@ -93,12 +93,22 @@ class ModelConfig(_Config):
 
 class MIIConfig(_Config):
     deployment_name: str = ""
+    """Name that `mii.client(name)` finds the deployment by; `<model basename>-mii-deployment` when empty."""
     deployment_type: DeploymentType = DeploymentType.LOCAL
     port_number: int = Field(50050, ge=1, le=65535)
+    """gRPC port of the deployment's load balancer (MII's service)."""
     enable_restful_api: bool = False
+    """Also serve HTTP: MII's REST gateway (`POST /mii/{deployment_name}`) and the OpenAI-compatible API."""
     restful_api_host: str = "localhost"
+    """Address the HTTP and gRPC servers bind to (loopback unless told otherwise)."""
     restful_api_port: int = Field(28080, ge=1, le=65535)
+    """HTTP port (REST gateway and OpenAI API)."""
     hostfile: str = "/job/hostfile"
+    max_waiting_requests: Optional[int] = Field(None, ge=0)
+    """Requests an engine may hold waiting for a slot before new ones are refused at once (gRPC RESOURCE_EXHAUSTED,
+    HTTP 429); unbounded (up to `max_tracked_sequences`) when unset."""
+    api_key: Optional[str] = Field(None, repr=False)
+    """When set, the HTTP API requires `Authorization: Bearer <api_key>` on every route but `/health`."""
     model_config_: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),

@@ -44,3 +44,15 @@ class KVCacheError(MIIError, RuntimeError):
 
 class DeploymentNotFoundError(MIIError, LookupError):
     """No running deployment answers to the given name."""
+
+
+class DeploymentExistsError(MIIError, RuntimeError):
+    """`mii.serve` was asked for a deployment name that a running deployment already uses."""
+
+
+class DeploymentUnavailableError(MIIError, RuntimeError):
+    """A deployment that exists but cannot serve: starting, stopping, or every replica is gone."""
+
+
+class ServerOverloadedError(MIIError, RuntimeError):
+    """The server's queue of waiting requests is full; retry later (HTTP 429)."""

@@ -1,0 +1,179 @@
+"""`MIIClient`: talks to a running deployment over gRPC (MII's service) — blocking, streaming and async calls —
+and `mii.client(name)`, which finds a deployment on this host by its record."""
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import time
+from typing import AsyncIterator, Callable, Optional, Union
+
+import grpc
+from google.protobuf import empty_pb2
+
+from mii.config import MIIConfig
+from mii.errors import DeploymentNotFoundError, ValidationError
+from mii.response import Response
+from mii.serving import registry
+from mii.serving.protocol import error_from_rpc, from_reply, make_request, merge, pb2_grpc
+
+_MAX_MESSAGE = 256 << 20
+_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+
+
+class MIIClient:
+    """A handle on a running deployment (returned by `mii.serve` and `mii.client`)."""
+
+    def __init__(self, record: dict, process=None):
+        self.record = record
+        self.mii_config = MIIConfig.model_validate(record["mii_config"])
+        self.deployment_name: str = record["name"]
+        self.port_number: int = record["port"]
+        self.address = f"{record['host']}:{record['port']}"
+        self._process = process  # the front process, when this process started it
+        self._channel: Optional[grpc.Channel] = None
+        self._stub = None
+
+    def __repr__(self) -> str:
+        return f"MIIClient({self.deployment_name!r} at {self.address})"
+
+    # --- requests ------------------------------------------------------------------------------------------------
+
+    def _stub_sync(self):
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.address, options=_OPTIONS)
+            self._stub = pb2_grpc.ModelResponseStub(self._channel)
+        return self._stub
+
+    @staticmethod
+    def _request(prompts, kwargs):
+        from mii.pipeline import normalize_prompts, per_prompt_params
+
+        plist, single = normalize_prompts(prompts)
+        per_prompt_params(kwargs, len(plist))  # unknown or invalid arguments fail here, typed, before sending
+        return make_request(plist, kwargs), single
+
+    def generate(self, prompts, streaming_fn: Optional[Callable[[list[Response]], None]] = None,
+                 **kwargs) -> list[Response]:
+        """Generate for one prompt or many; `list[Response]` in prompt order (n per prompt when n > 1).
+        With `streaming_fn`, it is called with a `list[Response]` (one per sequence) per generated chunk."""
+        request, _ = self._request(prompts, kwargs)
+        stub = self._stub_sync()
+        try:
+            if streaming_fn is None:
+                return [from_reply(r) for r in stub.GeneratorReply(request).response]
+            call = stub.GeneratorReplyStream(request)
+            merged = None
+            try:
+                for chunk in call:
+                    streaming_fn([from_reply(r) for r in chunk.response])
+                    merged = merge(merged, chunk)
+            finally:
+                call.cancel()
+            return [from_reply(r) for r in merged.response] if merged is not None else []
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    __call__ = generate
+
+    async def agenerate(self, prompts, streaming_fn=None, **kwargs) -> list[Response]:
+        """`generate` for a running event loop; `streaming_fn` may be a coroutine function."""
+        if streaming_fn is None:
+            request, _ = self._request(prompts, kwargs)
+            async with grpc.aio.insecure_channel(self.address, options=_OPTIONS) as channel:
+                try:
+                    reply = await pb2_grpc.ModelResponseStub(channel).GeneratorReply(request)
+                except grpc.aio.AioRpcError as e:
+                    raise error_from_rpc(e) from None
+            return [from_reply(r) for r in reply.response]
+        final = None
+        async for chunk in self._astream(prompts, kwargs):
+            result = streaming_fn(chunk[0])
+            if inspect.isawaitable(result):
+                await result
+            final = chunk[1]
+        return [from_reply(r) for r in final.response] if final is not None else []
+
+    async def astream(self, prompts, **kwargs) -> AsyncIterator[Union[Response, list[Response]]]:
+        """Yield chunks as they are generated: a `Response` per chunk for a single prompt, else a
+        `list[Response]` (one per sequence, empty text when it had nothing new). Closing it early cancels the
+        request on the server (its sequences are aborted)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        async for chunk, _ in self._astream(prompts, kwargs):
+            yield chunk[0] if single and len(chunk) == 1 else chunk
+
+    async def _astream(self, prompts, kwargs):
+        request, _ = self._request(prompts, kwargs)
+        async with grpc.aio.insecure_channel(self.address, options=_OPTIONS) as channel:
+            call = pb2_grpc.ModelResponseStub(channel).GeneratorReplyStream(request)
+            merged = None
+            try:
+                async for chunk in call:
+                    merged = merge(merged, chunk)
+                    yield [from_reply(r) for r in chunk.response], merged
+            except grpc.aio.AioRpcError as e:
+                raise error_from_rpc(e) from None
+            finally:
+                call.cancel()
+
+    def engine_stats(self) -> list:
+        """Each replica's load: running/waiting sequences, KV blocks in use, token counters (`ReplicaStats`)."""
+        try:
+            return list(self._stub_sync().EngineStats(empty_pb2.Empty(), timeout=10).replicas)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    # --- lifecycle -----------------------------------------------------------------------------------------------
+
+    def terminate_server(self, timeout: float = 30.0) -> None:
+        """Stop every process of the deployment; returns once they are gone."""
+        try:
+            self._stub_sync().Terminate(empty_pb2.Empty(), timeout=10)
+        except grpc.RpcError:
+            pass  # already stopping or gone: make sure below
+        pids = [self.record["pid"]] + [r["pid"] for r in self.record.get("replicas", ())]
+        deadline = time.monotonic() + timeout
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=timeout)
+            except Exception:
+                pass
+        while any(registry.pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in pids:  # still there: the deployment hangs; kill what is verifiably ours
+            if registry.pid_alive(pid) and _is_mii_process(pid):
+                os.kill(pid, signal.SIGKILL)
+        if self._process is not None and self._process.poll() is None:
+            self._process.wait(timeout=5)
+        registry.remove(self.deployment_name, self.record["pid"])
+        self.close()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+
+def _is_mii_process(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"mii.serving" in f.read()
+    except OSError:
+        return False
+
+
+def client(deployment_name_or_model: str) -> MIIClient:
+    """The running deployment named so (or `<model basename>-mii-deployment`); `DeploymentNotFoundError` if none."""
+    from mii.serving.deployment import default_deployment_name
+
+    name = str(deployment_name_or_model)
+    for candidate in (name, default_deployment_name(name)):
+        try:
+            record = registry.read(candidate)
+        except ValidationError:
+            continue
+        if record is not None:
+            return MIIClient(record)
+    running = ", ".join(registry.list_names()) or "none"
+    raise DeploymentNotFoundError(f"no running deployment named {name!r} on this host (running: {running}); "
+                                  "start one with mii.serve(...) or `mii serve`")

@@ -1,0 +1,84 @@
+"""Prometheus metrics of a deployment, kept by the load balancer (which sees every request and every streamed
+chunk, whichever API it came from) and served by the gateway at `GET /metrics`. Engine gauges (running and
+waiting requests, KV cache usage) are read from the replicas at scrape time."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("mii_num_requests_running", "Sequences in the engine's running batch.", ["replica"], registry=r)
+        self.waiting = Gauge("mii_num_requests_waiting", "Sequences waiting for a slot in the engine.", ["replica"], registry=r)
+        self.kv_usage = Gauge("mii_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", ["replica"], registry=r)
+        self.up = Gauge("mii_replica_up", "1 while the replica is in the load balancer's rotation.", ["replica"], registry=r)
+        self.outstanding = Gauge("mii_replica_outstanding_requests", "Sequences the load balancer has in flight on "
+                                 "the replica.", ["replica"], registry=r)
+        self.prompt_tokens = Counter("mii_prompt_tokens", "Prompt tokens of finished requests.", ["replica"], registry=r)
+        self.generation_tokens = Counter("mii_generation_tokens", "Generated tokens.", ["replica"], registry=r)
+        self.requests = Counter("mii_requests", "Finished sequences, by finish reason.", ["replica", "finish_reason"],
+                                registry=r)
+        self.ttft = Histogram("mii_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("mii_inter_token_latency_seconds", "Time between generated tokens of a sequence.",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("mii_e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
+                             buckets=_E2E, registry=r)
+
+    def render(self, stats) -> bytes:
+        """Prometheus text, with the engine gauges set from `stats` (a list of `ReplicaStats`)."""
+        for s in stats:
+            label = str(s.replica)
+            self.up.labels(label).set(1 if s.alive else 0)
+            self.outstanding.labels(label).set(s.outstanding)
+            if s.alive:
+                self.running.labels(label).set(s.num_running)
+                self.waiting.labels(label).set(s.num_waiting)
+                self.kv_usage.labels(label).set(s.kv_cache_usage)
+        return generate_latest(self.registry)
+
+    def track(self, replica: int) -> "RequestTracker":
+        return RequestTracker(self, str(replica))
+
+
+class RequestTracker:
+    """Follows one request's stream of `MultiGenerationReply` chunks: TTFT, inter-token latency, tokens."""
+
+    def __init__(self, metrics: Metrics, replica: str):
+        self.m = metrics
+        self.replica = replica
+        self.start = time.perf_counter()
+        self.last: list[float] = []
+        self.generated: list[int] = []
+        self.done: list[bool] = []
+
+    def chunk(self, reply) -> None:
+        now = time.perf_counter()
+        if not self.last:
+            n = len(reply.response)
+            self.last, self.generated, self.done = [self.start] * n, [0] * n, [False] * n
+        for i, r in enumerate(reply.response):
+            if self.done[i]:
+                continue
+            new = r.generated_tokens - self.generated[i]
+            if new > 0:
+                if self.generated[i] == 0:
+                    self.m.ttft.observe(now - self.start)
+                else:
+                    for _ in range(new):
+                        self.m.itl.observe((now - self.last[i]) / new)
+                self.m.generation_tokens.labels(self.replica).inc(new)
+                self.generated[i], self.last[i] = r.generated_tokens, now
+            if r.finish_reason not in ("", "none"):
+                self.done[i] = True
+                self.m.prompt_tokens.labels(self.replica).inc(r.prompt_tokens)
+                self.m.requests.labels(self.replica, r.finish_reason).inc()
+
+    def finish(self) -> None:
+        self.m.e2e.observe(time.perf_counter() - self.start)

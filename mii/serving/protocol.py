@@ -1,0 +1,203 @@
+"""The wire format: MII's gRPC messages (generated from `proto/modelresponse.proto`) and the codecs between them
+and mii's Python types (keyword arguments, prompts, `Response`, typed errors).
+
+The `*_pb2` modules are generated with grpcio-tools on first import into mii's cache directory, keyed by the
+proto's content and the installed grpcio-tools and protobuf versions, so the generated code always matches the
+protobuf runtime (nothing generated is committed, and no build step is needed).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
+
+import grpc
+
+from mii import errors
+from mii.envs import cache_dir
+from mii.response import Response
+
+PROTO = Path(__file__).with_name("proto") / "modelresponse.proto"
+SERVICE = "modelresponse.ModelResponse"
+
+
+def _generate() -> Path:
+    from importlib.metadata import version
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    key = hashlib.sha256(PROTO.read_bytes() + version("grpcio-tools").encode() + version("protobuf").encode())
+    out = cache_dir() / "grpc" / key.hexdigest()[:16]
+    if (out / "modelresponse_pb2_grpc.py").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    rc = protoc.main(["protoc", f"-I{PROTO.parent}", f"-I{include}", f"--python_out={tmp}",
+                      f"--grpc_python_out={tmp}", str(PROTO)])
+    if rc != 0:
+        raise RuntimeError(f"grpc_tools.protoc failed ({rc}) on {PROTO}")
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process generated it first
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return out
+
+
+def _load(name: str, folder: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the *_pb2_grpc module imports `modelresponse_pb2` by this name
+    spec.loader.exec_module(module)
+    return module
+
+
+_folder = _generate()
+pb2 = sys.modules.get("modelresponse_pb2") or _load("modelresponse_pb2", _folder)
+pb2_grpc = sys.modules.get("modelresponse_pb2_grpc") or _load("modelresponse_pb2_grpc", _folder)
+
+# --- keyword arguments -----------------------------------------------------------------------------------------
+
+
+def to_value(v: Any):
+    if v is None:
+        return pb2.Value(nvalue=True)
+    if isinstance(v, bool):
+        return pb2.Value(bvalue=v)
+    if isinstance(v, int):
+        return pb2.Value(ivalue=v)
+    if isinstance(v, float):
+        return pb2.Value(dvalue=v)
+    if isinstance(v, str):
+        return pb2.Value(svalue=v)
+    if isinstance(v, (list, tuple)):
+        return pb2.Value(lvalue=pb2.ListValue(values=[to_value(x) for x in v]))
+    if isinstance(v, dict):
+        return pb2.Value(mvalue=pb2.Dictionary(values={str(k): to_value(x) for k, x in v.items()}))
+    raise errors.ValidationError("kwargs", f"cannot send a value of type {type(v).__name__}: {v!r:.60}")
+
+
+def from_value(v) -> Any:
+    kind = v.WhichOneof("oneof_values")
+    if kind is None or kind == "nvalue":
+        return None
+    if kind == "lvalue":
+        return [from_value(x) for x in v.lvalue.values]
+    if kind == "mvalue":
+        return {k: from_value(x) for k, x in v.mvalue.values.items()}
+    return getattr(v, kind)
+
+
+def make_request(prompts: list, kwargs: dict):
+    """A `MultiStringRequest`: MII's `request` field when every prompt is text, else mii's `prompts`."""
+    kw = {k: to_value(v) for k, v in kwargs.items()}
+    if all(isinstance(p, str) for p in prompts):
+        return pb2.MultiStringRequest(request=prompts, query_kwargs=kw)
+    items = [pb2.Prompt(text=p) if isinstance(p, str) else pb2.Prompt(token_ids=pb2.TokenIds(ids=p)) for p in prompts]
+    return pb2.MultiStringRequest(prompts=items, query_kwargs=kw)
+
+
+def read_request(request) -> tuple[list, dict]:
+    if request.prompts:
+        prompts = [p.text if p.WhichOneof("kind") == "text" else list(p.token_ids.ids) for p in request.prompts]
+    else:
+        prompts = list(request.request)
+    return prompts, {k: from_value(v) for k, v in request.query_kwargs.items()}
+
+
+# --- responses -------------------------------------------------------------------------------------------------
+
+
+def to_reply(r: Response, time_taken: float = 0.0):
+    logprobs = [pb2.TokenLogprob(token_id=x["token_id"], logprob=x["logprob"], top_logprobs=x["top_logprobs"])
+                for x in r.logprobs or ()]
+    return pb2.SingleGenerationReply(response=r.generated_text, finish_reason=r.finish_reason,
+                                     prompt_tokens=r.prompt_length, generated_tokens=r.generated_length,
+                                     time_taken=time_taken, token_ids=r.token_ids or (), logprobs=logprobs,
+                                     has_logprobs=r.logprobs is not None)
+
+
+def from_reply(s) -> Response:
+    logprobs = None
+    if s.has_logprobs:
+        logprobs = [{"token_id": x.token_id, "logprob": x.logprob, "top_logprobs": dict(x.top_logprobs)}
+                    for x in s.logprobs]
+    return Response(s.response, s.prompt_tokens, s.generated_tokens, s.finish_reason, list(s.token_ids), logprobs)
+
+
+def merge(acc, reply):
+    """Fold a streamed chunk into the accumulated `MultiGenerationReply`: texts, token ids and logprobs appended,
+    counts and finish reasons taken from the latest chunk."""
+    if acc is None:
+        acc = pb2.MultiGenerationReply()
+        acc.CopyFrom(reply)
+        return acc
+    for a, r in zip(acc.response, reply.response):
+        a.response += r.response
+        a.token_ids.extend(r.token_ids)
+        a.logprobs.extend(r.logprobs)
+        a.finish_reason, a.prompt_tokens, a.generated_tokens = r.finish_reason, r.prompt_tokens, r.generated_tokens
+        a.time_taken = r.time_taken
+    return acc
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+ERROR_KEY = "mii-error"
+_CODES = [  # most specific first
+    (errors.PromptTooLongError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.UnknownArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ServerOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.KVCacheError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def error_info(e: BaseException) -> dict:
+    """A JSON-able description of an exception, enough to raise the same typed mii error elsewhere."""
+    info = {"type": type(e).__name__, "message": str(e) if isinstance(e, errors.MIIError) else f"{type(e).__name__}: {e}"}
+    if isinstance(e, errors.ValidationError):
+        info.update(field=e.field, detail=str(e)[len(e.field) + 2:])
+    if isinstance(e, errors.PromptTooLongError):
+        info.update(prompt_length=e.prompt_length, max_context=e.max_context)
+    return info
+
+
+def error_from_info(info: dict) -> Exception:
+    kind = info.get("type")
+    if kind == "PromptTooLongError":
+        return errors.PromptTooLongError(info["prompt_length"], info["max_context"])
+    if "field" in info:
+        return errors.ValidationError(info["field"], info["detail"])
+    cls = getattr(errors, kind or "", None)
+    if isinstance(cls, type) and issubclass(cls, errors.MIIError):
+        return cls(info["message"])
+    return errors.MIIError(info["message"])
+
+
+def error_status(e: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    """(status code, details, trailing metadata) carrying a mii error across gRPC."""
+    code = next((c for cls, c in _CODES if isinstance(e, cls)), grpc.StatusCode.INTERNAL)
+    info = error_info(e)
+    return code, info["message"], ((ERROR_KEY, json.dumps(info)),)
+
+
+def error_from_rpc(e: grpc.RpcError) -> Exception:
+    """The typed mii error a failed call carried, or `DeploymentUnavailableError` / `MIIError` otherwise."""
+    code, details = e.code(), e.details() or ""
+    for k, v in (e.trailing_metadata() or ()):
+        if k == ERROR_KEY:
+            return error_from_info(json.loads(v))
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return errors.DeploymentUnavailableError(f"the deployment did not answer ({code.name}: {details})")
+    return errors.MIIError(f"{code.name}: {details}")
