@@ -1,4 +1,4 @@
-"""The `mii` command line: `mii generate [MODEL] "prompt"`, `mii explain [MODEL]`."""
+"""The `mii` command line: `mii generate [MODEL] "prompt"`, `mii serve [MODEL]`, `mii explain [MODEL]`."""
 from __future__ import annotations
 
 import argparse
@@ -43,9 +43,46 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    from mii.serving import deployment
+    from mii.serving.launch import build_mii_config
+
+    kwargs = dict(dtype=args.dtype, device=args.device, replica_num=args.replicas, port_number=args.grpc_port,
+                  enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
+                  max_waiting_requests=args.max_waiting, api_key=args.api_key)
+    if args.deployment_name:
+        kwargs["deployment_name"] = args.deployment_name
+    if args.max_context:
+        kwargs["inference_engine_config"] = {"state_manager": {"max_context": args.max_context}}
+    if args.num_threads:
+        kwargs["num_threads"] = args.num_threads
+    cfg = build_mii_config(args.model, **kwargs)
+    logging.getLogger("mii").setLevel(logging.WARNING if args.quiet else logging.INFO)
+
+    def announce(line: str) -> None:
+        base = f"http://{deployment.connect_host(args.host)}:{args.port}"
+        print(f"{line}\nTry:  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"stream\": true}'\n"
+              "Stop with Ctrl-C.", flush=True)
+
+    deployment.run(cfg, announce)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mii", description="Fast LLM text generation (DeepSpeed-MII's API) on CPUs and GPUs. "
-                                     "With no MODEL, the embedded SmolLM2-135M-Instruct is used.")
+    parser = argparse.ArgumentParser(
+        prog="mii", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fast LLM text generation (DeepSpeed-MII's API) on CPUs and GPUs.\n"
+                    "MODEL is a Hugging Face folder, a hub id in the local cache or a .gguf file; with no MODEL, "
+                    "the embedded\nSmolLM2-135M-Instruct is used.",
+        epilog="examples:\n"
+               "  mii generate \"What is the capital of France?\"\n"
+               "  mii serve                                  # OpenAI API + REST on :8000, gRPC on :50050\n"
+               "  mii serve ./my-model --port 8080 --replicas 2 --api-key secret\n"
+               "  mii explain ./my-model                     # what the engine chose and why\n\n"
+               "`mii COMMAND --help` describes each command.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
                        description="mii generate [MODEL] PROMPT  — MODEL is a folder, a cached hub id or a .gguf file. "
@@ -58,6 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
+    v = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API, MII's REST gateway) and gRPC",
+                       description="mii serve [MODEL]  — runs a deployment in the foreground: the OpenAI-compatible API "
+                       "(/v1/completions, /v1/chat/completions, /v1/models), MII's REST gateway (/mii/NAME), /health, "
+                       "/metrics and /tokenize on --port, MII's gRPC service on --grpc-port (for mii.client(NAME)), "
+                       "and one engine process per replica. Ctrl-C or SIGTERM stops it with all its processes.")
+    v.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    v.add_argument("--host", default="localhost", help="address to bind (default: localhost; 0.0.0.0 for all)")
+    v.add_argument("--port", type=int, default=8000, help="HTTP port: OpenAI API and REST gateway (default: 8000)")
+    v.add_argument("--grpc-port", type=int, default=50050, help="gRPC port of MII's service (default: 50050)")
+    v.add_argument("--replicas", type=int, default=1, help="engine processes; CPU threads are divided between them")
+    v.add_argument("--deployment-name", default=None,
+                   help="name for mii.client(NAME) and /mii/NAME (default: <model basename>-mii-deployment)")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every HTTP route but /health")
+    v.add_argument("--max-waiting", type=int, default=None,
+                   help="requests an engine may queue before refusing new ones with 429 (default: unbounded)")
+    v.add_argument("--max-context", type=int, default=None, help="longest sequence accepted (default: the model's)")
+    v.add_argument("--num-threads", type=int, default=None, help="CPU threads per replica (default: cores / replicas)")
+    v.add_argument("--quiet", action="store_true", help="log warnings only")
+    _add_model_args(v)
+    v.set_defaults(func=cmd_serve)
     e = sub.add_parser("explain", help="print the engine plan (dtype, threads, KV cache, budget) for a model")
     e.add_argument("model", nargs="?", default=None)
     _add_model_args(e)

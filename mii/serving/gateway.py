@@ -147,7 +147,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await read_json(request)
-        _require_ready(model)
+        require_ready(model)
         check_model(model, body.get("model"))
         if "messages" in body:
             text = openai_api.render_chat(model, body["messages"], body.get("add_generation_prompt", True))
@@ -161,7 +161,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await read_json(request)
-        _require_ready(model)
+        require_ready(model)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise APIError(400, "tokens: a list of token ids is required", param="tokens")
@@ -191,7 +191,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     return app
 
 
-def _require_ready(model: ServedModel) -> None:
+def require_ready(model: ServedModel) -> None:
     if not model.ready:
         raise APIError(503, "the model is still loading", type="service_unavailable", code="loading")
 

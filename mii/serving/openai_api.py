@@ -15,11 +15,13 @@ from typing import Any, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticError
 
 from mii import errors
 from mii.engine.params import GenerationParams
 from mii.serving.balancer import LoadBalancer
-from mii.serving.gateway import APIError, ServedModel, _require_ready, api_error, check_model, until_disconnect
+from mii.serving.gateway import (APIError, ServedModel, require_ready, api_error, check_model, read_json,
+                                 until_disconnect)
 from mii.serving.protocol import make_request
 
 # engine parameter → the name this API gives it (for error messages)
@@ -161,7 +163,8 @@ def _completion_logprobs(job: _Job, reply, offset: int) -> dict:
         text = job.token_text(x.token_id)
         tokens.append(text)
         lps.append(x.logprob)
-        tops.append({job.token_text(t): v for t, v in x.top_logprobs.items()} if x.top_logprobs else None)
+        top = sorted(x.top_logprobs.items(), key=lambda kv: -kv[1])
+        tops.append({job.token_text(t): v for t, v in top} if top else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -178,6 +181,17 @@ def _chat_logprobs(job: _Job, reply) -> dict:
         e["top_logprobs"] = [entry(t, v) for t, v in sorted(x.top_logprobs.items(), key=lambda kv: -kv[1])]
         content.append(e)
     return {"content": content}
+
+
+def _parse(cls, body: dict):
+    """Validate a JSON body (whatever its Content-Type); a 400 naming the first bad field."""
+    try:
+        return cls.model_validate(body)
+    except PydanticError as e:
+        err = e.errors()[0]
+        name = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        got = f" (got {err['input']!r:.80})" if err.get("type") != "missing" else ""
+        raise APIError(400, f"{name}: {err.get('msg')}{got}", param=name) from None
 
 
 def _sse(data) -> str:
@@ -201,13 +215,14 @@ async def _first_chunk(lb: LoadBalancer, job: _Job):
 def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
     @app.get("/v1/models")
     async def models():
-        _require_ready(model)
+        require_ready(model)
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "mii",
                                             "max_model_len": model.max_context}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        _require_ready(model)
+    async def completions(request: Request):
+        req = _parse(CompletionRequest, await read_json(request))
+        require_ready(model)
         check_model(model, req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -274,8 +289,9 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
                 "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
-        _require_ready(model)
+    async def chat(request: Request):
+        req = _parse(ChatRequest, await read_json(request))
+        require_ready(model)
         check_model(model, req.model)
         text = render_chat(model, req.messages, req.add_generation_prompt)
         ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template has its special tokens

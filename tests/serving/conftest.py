@@ -1,0 +1,84 @@
+"""Deployments shared by the serving tests: real processes on free loopback ports, stopped (and checked gone)
+at the end even when a test fails.
+
+- `deployment`: a tiny random Llama (SmolLM2's tokenizer and chat template), two replicas, HTTP gateway on;
+  started through MII's `mii_config={..., "model_config": {...}}` form.
+- `limited`: the same model, two replicas that each run one sequence at a time and queue at most one more,
+  behind an API key (tests/serving/test_load.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+
+import pytest
+
+from mii.serving import registry
+
+KV = {"state_manager": {"kv_block_size": 16, "memory_config": {"mode": "allocate", "size": 512}}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def deployment_pids(client) -> list[int]:
+    return [client.record["pid"]] + [r["pid"] for r in client.record["replicas"]]
+
+
+def stop(client) -> None:
+    """Terminate a deployment; kill whatever is left (only our pids) so a failed test leaves nothing behind."""
+    pids = deployment_pids(client)
+    try:
+        client.terminate_server(timeout=20)
+    finally:
+        for pid in pids:
+            if registry.pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer_dir) -> str:
+    from transformers import LlamaConfig
+
+    from tests.reference import TINY, tiny_checkpoint
+
+    cfg = LlamaConfig(vocab_size=49152, **TINY)
+    return str(tiny_checkpoint(cfg, tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def deployment(tiny_model):
+    import mii
+
+    name = unique_name("test-mii")
+    client = mii.serve(mii_config={
+        "deployment_name": name, "deployment_type": "local", "port_number": free_port(),
+        "enable_restful_api": True, "restful_api_port": free_port(),
+        "model_config": {"model_name_or_path": tiny_model, "task": "text-generation", "device_map": "auto",
+                         "tensor_parallel": 1, "replica_num": 2, "dtype": "float32", "inference_engine_config": KV}})
+    yield client
+    stop(client)
+
+
+@pytest.fixture(scope="session")
+def base_url(deployment) -> str:
+    return f"http://127.0.0.1:{deployment.record['http_port']}"
