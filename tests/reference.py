@@ -61,8 +61,7 @@ def assert_matches_transformers(model_dir, prompts=None, new_tokens: int = 32, b
     """mii (fp32, chunked prompts) vs transformers: same greedy tokens, close log-probabilities."""
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    prompts = prompts or prompts_for(vocab)
+    prompts = prompts or prompts_for(AutoConfig.from_pretrained(model_dir).vocab_size)
     ref = hf_greedy(model_dir, prompts, new_tokens, hf_model)
     pipe = mii.pipeline(str(model_dir), dtype="float32", inference_engine_config={
         "state_manager": {"max_ragged_batch_size": budget, "kv_block_size": 8}}, **pipeline_kwargs)

@@ -137,11 +137,12 @@ def layer_windows_from_hf(hf: dict, num_layers: int) -> tuple:
     return ()
 
 
-def partial_rotary_factor(hf: dict) -> float:
+def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
+    """The fraction of each head that rotary rotates (transformers 5 keeps it in `rope_parameters`)."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "partial_rotary_factor" in params:
         return float(params["partial_rotary_factor"])
-    return float(hf.get("partial_rotary_factor", 1.0))
+    return float(hf.get("partial_rotary_factor", default))
 
 
 def llama_like(hf: dict, **overrides) -> ArchConfig:
