@@ -69,6 +69,7 @@ def test_cancelled_stream_frees_kv_blocks(channel, deployment):
     stub = pb2_grpc.ModelResponseStub(channel)
     req = pb2.MultiStringRequest(request=["a long story"] * 2,
                                  query_kwargs=_kwargs(max_new_tokens=900, ignore_eos=True))
+    before = sum(s.generation_tokens_total for s in stub.EngineStats(empty_pb2.Empty()).replicas)
     call = stub.GeneratorReplyStream(req, timeout=120)
     for _ in range(3):
         next(call)
@@ -81,6 +82,8 @@ def test_cancelled_stream_frees_kv_blocks(channel, deployment):
         return all(x.kv_blocks_used == 0 and x.num_running == 0 and x.num_waiting == 0 for x in s)
 
     assert wait_until(freed, timeout=15), stub.EngineStats(empty_pb2.Empty())
+    after = sum(s.generation_tokens_total for s in stub.EngineStats(empty_pb2.Empty()).replicas)
+    assert after - before < 1800  # aborted, not run to the end
 
 
 def test_deadline_aborts_the_request(channel):

@@ -1,0 +1,116 @@
+"""The OpenAI-compatible API with the official `openai` client: completions, chat, streaming, logprobs, errors."""
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(oai):
+    return oai.models.list().data[0].id
+
+
+def test_models(oai, tiny_model):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [tiny_model]
+
+
+def test_completion_usage_and_n(oai, model_id):
+    r = oai.completions.create(model=model_id, prompt=["Hello", "A B C"], max_tokens=5, n=2, seed=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 20 and r.usage.total_tokens == r.usage.prompt_tokens + 20
+    again = oai.completions.create(model=model_id, prompt=["Hello", "A B C"], max_tokens=5, n=2, seed=3)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+
+
+def test_completion_stop_string_and_echo(oai, model_id):
+    full = oai.completions.create(model=model_id, prompt="Once upon", max_tokens=12, temperature=0).choices[0].text
+    stop = full[len(full) // 2:][:3]
+    cut = oai.completions.create(model=model_id, prompt="Once upon", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and full.startswith(cut.choices[0].text)
+    assert stop not in cut.choices[0].text
+    echoed = oai.completions.create(model=model_id, prompt="Once upon", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Once upon")
+
+
+def test_completion_logprobs(oai, model_id):
+    r = oai.completions.create(model=model_id, prompt="x y", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 3 for t in lp.top_logprobs) and "".join(lp.tokens) == r.choices[0].text
+
+
+def test_extra_fields_are_accepted(oai, model_id):
+    r = oai.completions.create(model=model_id, prompt="x", max_tokens=7, extra_body={
+        "top_k": 5, "ignore_eos": True, "repetition_penalty": 1.1, "min_p": 0.01, "min_tokens": 2,
+        "skip_special_tokens": True})
+    assert r.usage.completion_tokens == 7
+
+
+def test_default_max_tokens_is_the_rest_of_the_context(oai, model_id):
+    prompt = [7] * 1000
+    r = oai.completions.create(model=model_id, prompt=prompt, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 1024
+
+
+def test_chat_and_its_stream_agree(oai, model_id):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    whole = oai.chat.completions.create(model=model_id, messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 10
+    stream = oai.chat.completions.create(model=model_id, messages=messages, max_tokens=10, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_logprobs(oai, model_id):
+    r = oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                    temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+def test_completion_stream(oai, model_id):
+    chunks = list(oai.completions.create(model=model_id, prompt="abc", max_tokens=6, temperature=0, stream=True))
+    whole = oai.completions.create(model=model_id, prompt="abc", max_tokens=6, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sse_wire_format(base_url, model_id):
+    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=60,
+                      json={"model": model_id, "prompt": "abc", "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_errors(oai, model_id, base_url):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_id, prompt=[5] * 1500, max_tokens=2)
+    assert "maximum context length is 1024 tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_id, prompt="x", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert "max_tokens" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="no-such-model", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.post(f"{base_url}/v1/chat/completions", content=b'{"messages": [', timeout=30)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "n": "many"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
