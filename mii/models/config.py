@@ -9,6 +9,7 @@ in `extra` (read with `cfg.get(name, default)`):
 - `local_rope_theta` (float): rotary base of the sliding-window layers (Gemma-3), scaling-free.
 - `final_logit_softcap` (float): logits = cap * tanh(logits / cap) (Gemma-3, when set).
 - `position_offset` (int): index offset of learned position embeddings (OPT: 2).
+- `qkv_layout` (str): Falcon's fused query_key_value layout ("concatenated", "grouped", "per_head").
 """
 from __future__ import annotations
 
