@@ -66,8 +66,7 @@ class ModelRunner:
         lengths = np.fromiter((c.length for c in chunks), np.int64, S)
         Q = int(lengths.max())
         starts = np.fromiter((c.start for c in chunks), np.int64, S)
-        ctx = starts + lengths
-        max_blocks = int(-(-ctx.max() // bs))
+        max_blocks = int(-(-(starts + lengths).max() // bs))
         tables = np.zeros((S, max_blocks), dtype=np.int64)
         for i, c in enumerate(chunks):
             n = min(len(c.seq.block_table), max_blocks)
@@ -76,10 +75,15 @@ class ModelRunner:
         valid = q[None, :] < lengths[:, None]                            # [S, Q]
         token_idx = np.where(valid, offsets[:, None] + q[None, :], 0)    # [S, Q]
         q_pos = np.where(valid, starts[:, None] + q[None, :], 0)
-        t = lambda a: torch.from_numpy(a).to(self.device)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        first, count = int(offsets[0]), int(lengths.sum())
+        contiguous = bool(valid.all()) and (token_idx.reshape(-1) == np.arange(first, first + count)).all()
         return AttentionGroup(
-            token_idx=t(token_idx), valid=None if valid.all() else t(valid.reshape(-1)),
-            block_table=t(tables), q_pos=t(q_pos), ctx_len=t(ctx), flat_idx=t(token_idx[valid]))
+            num_seqs=S, q_len=Q, span=(first, first + count) if contiguous else None,
+            token_idx=None if contiguous else t(token_idx.reshape(-1)),
+            valid=None if contiguous or valid.all() else t(valid.reshape(-1)),
+            flat_idx=None if contiguous else t(token_idx[valid]),
+            blocks=t(tables.reshape(-1)), q_pos=t(q_pos))
 
     def _prepare(self, batch: ScheduledBatch):
         chunks = batch.chunks
@@ -94,9 +98,9 @@ class ModelRunner:
             pos.append(p)
             slots.append(np.asarray(c.seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs)
         positions = np.concatenate(pos)
-        decode = np.flatnonzero(lengths == 1)
-        prefill = np.flatnonzero(lengths > 1)
-        groups = [self._group([chunks[i] for i in sel], offsets[sel]) for sel in (decode, prefill) if len(sel)]
+        # the scheduler puts decode tokens first: they form one contiguous group, the rest another
+        n_decode = int(np.argmin(lengths == 1)) if (lengths > 1).any() else len(chunks)
+        groups = [self._group(chunks[a:b], offsets[a:b]) for a, b in ((0, n_decode), (n_decode, len(chunks))) if b > a]
         ctx = AttentionContext(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
                                block_size=bs, num_tokens=int(lengths.sum()), groups=groups)
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
