@@ -90,17 +90,21 @@ class RotaryEmbedding(nn.Module):
             freqs[long] = torch.outer(t[long], long_inv_freq)
         self.register_buffer("cos", (freqs.cos() * mscale), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale), persistent=False)
+        self._positions: Optional[torch.Tensor] = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, h, d], k: [T, kvh, d]; rotates the first rot_dim features of each head."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot/2]
-        sin = self.sin[positions].unsqueeze(1)
+        if positions is not self._positions:  # the table lookup is done once per step, not once per layer
+            self._positions = positions
+            self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, rot/2]
+        cos, sin = self._cos_sin
         return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
     dtype = x.dtype
-    rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+    full = rot_dim == x.shape[-1]
+    rot = (x if full else x[..., :rot_dim]).float()
     x1, x2 = rot.chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    return out if full else torch.cat((out, x[..., rot_dim:]), dim=-1)
