@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii.layers.linear import _check_shape
+from mii.layers.linear import check_shape
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         part = loaded.narrow(0, self.start, param.shape[0]) if self.tp > 1 else loaded
-        _check_shape(param, part, "embedding")
+        check_shape(param, part, "embedding")
         param.data.copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from mii.errors import ModelLoadError
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+def check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ModelLoadError(f"shape mismatch{' for ' + name if name else ''}: checkpoint has "
                              f"{tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
@@ -42,7 +42,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _check_shape(param, loaded)
+        check_shape(param, loaded)
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         rows = param.shape[0]
         loaded = loaded.narrow(0, tp_rank() * rows, rows) if self.tp > 1 else loaded
-        _check_shape(param, loaded)
+        check_shape(param, loaded)
         param.data.copy_(loaded)
 
     def forward(self, x):
@@ -88,7 +88,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.out_sizes[:shard_id]) // self.tp
         part = loaded.narrow(0, tp_rank() * size, size) if self.tp > 1 else loaded
         target = param.data.narrow(0, offset, size)
-        _check_shape(target, part, f"part {shard_id}")
+        check_shape(target, part, f"part {shard_id}")
         target.copy_(part)
 
 
@@ -119,7 +119,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         index = tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas
         part = loaded.narrow(0, index * size, size) if self.tp > 1 else loaded
         target = param.data.narrow(0, offset, size)
-        _check_shape(target, part, f"{shard_id}_proj")
+        check_shape(target, part, f"{shard_id}_proj")
         target.copy_(part)
 
 
@@ -134,7 +134,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 2 and self.tp > 1:
             cols = param.shape[1]
             loaded = loaded.narrow(1, tp_rank() * cols, cols)
-        _check_shape(param, loaded)
+        check_shape(param, loaded)
         param.data.copy_(loaded)
 
     def forward(self, x):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mii.layers.activation import gated, get_activation
-from mii.layers.linear import ReplicatedLinear, _check_shape, divide
+from mii.layers.linear import ReplicatedLinear, check_shape, divide
 from mii.layers.mlp import MLP
 from mii.parallel import all_reduce, tp_rank, tp_size
 
@@ -48,7 +48,7 @@ class FusedMoE(nn.Module):
             if self.tp > 1:
                 loaded = loaded.narrow(0, tp_rank() * n, n)
             target = param.data[expert].narrow(0, part * n, n)
-        _check_shape(target, loaded, f"expert {expert} part {part}")
+        check_shape(target, loaded, f"expert {expert} part {part}")
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mii.errors import ModelLoadError
+from mii.layers.linear import check_shape
 from mii.loading import checkpoint, gguf_file
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
@@ -75,9 +76,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
 
 
 def _copy_loader(param, loaded, shard_id=None):
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
-                             f"the model expects {tuple(param.shape)}")
+    check_shape(param, loaded)
     param.data.copy_(loaded)
 
 
