@@ -100,6 +100,25 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
+class _BearerAuth:
+    """`Authorization: Bearer <api_key>` on every route but /health (plain ASGI, so that disconnects still reach
+    the endpoints)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                 type="authentication_error", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = None) -> FastAPI:
     from mii.serving import openai_api
 
@@ -120,15 +139,8 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
             return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json").response()
         return APIError(400, f"{name}: {err.get('msg')} (got {err.get('input')!r:.80})", param=name).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                type="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():

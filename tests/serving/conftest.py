@@ -44,6 +44,7 @@ def stop(client) -> None:
         for pid in pids:
             if registry.pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+    registry.log_path(client.deployment_name).unlink(missing_ok=True)
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1):

@@ -73,3 +73,15 @@ def test_client_leaving_mid_stream_aborts_its_sequence(base_url, deployment):
                        timeout=15)
     assert freed, deployment.engine_stats()
     assert sum(s.generation_tokens_total for s in deployment.engine_stats()) - before < 900  # aborted, not finished
+
+
+def test_client_leaving_a_blocking_request_aborts_it(base_url, deployment):
+    before = sum(s.generation_tokens_total for s in deployment.engine_stats())
+    try:
+        httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 900, "ignore_eos": True},
+                   timeout=1.0)
+    except httpx.TimeoutException:
+        pass
+    freed = wait_until(lambda: all(s.kv_blocks_used == 0 and s.num_running == 0 for s in deployment.engine_stats()),
+                       timeout=15)
+    assert freed and sum(s.generation_tokens_total for s in deployment.engine_stats()) - before < 900
