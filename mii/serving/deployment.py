@@ -57,9 +57,10 @@ def default_deployment_name(model_name_or_path: str) -> str:
 
 
 def replica_threads(cfg: MIIConfig) -> int:
+    """CPU threads of each engine process (each tensor-parallel rank): the cores divided between them."""
     mc = cfg.model_config_
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return mc.num_threads or max(1, cores // mc.replica_num)
+    return mc.num_threads or max(1, cores // (mc.replica_num * mc.tensor_parallel))
 
 
 def _http_server(app):
@@ -154,7 +155,9 @@ class Deployment:
         threads = replica_threads(self.cfg)
         waiting = {}
         for i in range(mc.replica_num):
-            spec = dict(index=i, model_config=mc.model_copy(update={"num_threads": threads}).model_dump(mode="json"),
+            # each replica's tensor-parallel group meets on its own port
+            own = mc.model_copy(update={"num_threads": threads, "torch_dist_port": mc.torch_dist_port + i})
+            spec = dict(index=i, model_config=own.model_dump(mode="json"),
                         max_waiting_requests=self.cfg.max_waiting_requests, model_name=self.served.name,
                         ready_file=str(self._tmp / f"replica{i}.ready"), error_file=str(self._tmp / f"replica{i}.error"))
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
