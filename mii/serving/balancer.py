@@ -19,11 +19,9 @@ from google.protobuf import empty_pb2
 
 from mii.errors import DeploymentUnavailableError, MIIError
 from mii.serving.metrics import Metrics
-from mii.serving.protocol import error_from_rpc, error_status, merge, pb2, pb2_grpc
+from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, error_status, merge, pb2, pb2_grpc
 
 log = logging.getLogger("mii")
-_MAX_MESSAGE = 256 << 20
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
 
 
 @dataclass(eq=False)

@@ -15,10 +15,8 @@ from mii.config import MIIConfig
 from mii.errors import DeploymentNotFoundError, ValidationError
 from mii.response import Response
 from mii.serving import registry
-from mii.serving.protocol import error_from_rpc, from_reply, make_request, merge, pb2_grpc
+from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_reply, make_request, merge, pb2_grpc
 
-_MAX_MESSAGE = 256 << 20
-_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
 
 
 class MIIClient:
@@ -41,7 +39,7 @@ class MIIClient:
 
     def _stub_sync(self):
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.address, options=_OPTIONS)
+            self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
             self._stub = pb2_grpc.ModelResponseStub(self._channel)
         return self._stub
 
@@ -80,7 +78,7 @@ class MIIClient:
         """`generate` for a running event loop; `streaming_fn` may be a coroutine function."""
         if streaming_fn is None:
             request, _ = self._request(prompts, kwargs)
-            async with grpc.aio.insecure_channel(self.address, options=_OPTIONS) as channel:
+            async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
                 try:
                     reply = await pb2_grpc.ModelResponseStub(channel).GeneratorReply(request)
                 except grpc.aio.AioRpcError as e:
@@ -104,7 +102,7 @@ class MIIClient:
 
     async def _astream(self, prompts, kwargs):
         request, _ = self._request(prompts, kwargs)
-        async with grpc.aio.insecure_channel(self.address, options=_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             call = pb2_grpc.ModelResponseStub(channel).GeneratorReplyStream(request)
             merged = None
             try:

@@ -30,10 +30,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mii.config import MIIConfig
 from mii.errors import MIIError, ValidationError
 from mii.serving import registry
-from mii.serving.balancer import CHANNEL_OPTIONS, BalancerServicer, LoadBalancer, Replica
+from mii.serving.balancer import BalancerServicer, LoadBalancer, Replica
 from mii.serving.gateway import ServedModel, build_app
 from mii.serving.metrics import Metrics
-from mii.serving.protocol import error_from_info, error_info, pb2, pb2_grpc
+from mii.serving.protocol import CHANNEL_OPTIONS, error_from_info, error_info, pb2, pb2_grpc
 
 log = logging.getLogger("mii")
 _SERVICE = pb2.DESCRIPTOR.services_by_name["ModelResponse"].full_name

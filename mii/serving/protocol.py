@@ -25,6 +25,9 @@ from mii.response import Response
 
 PROTO = Path(__file__).with_name("proto") / "modelresponse.proto"
 SERVICE = "modelresponse.ModelResponse"
+_MAX_MESSAGE = 256 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+"""For every channel and server of a deployment: many prompts or logprobs exceed gRPC's 4 MiB default."""
 
 
 def _generate() -> Path:

@@ -31,7 +31,7 @@ from mii.engine.engine import RequestOutput
 from mii.engine.params import GenerationParams
 from mii.errors import ServerOverloadedError, ValidationError
 from mii.response import Response
-from mii.serving.protocol import error_info, error_status, pb2, pb2_grpc, read_request, to_reply
+from mii.serving.protocol import CHANNEL_OPTIONS, error_info, error_status, pb2, pb2_grpc, read_request, to_reply
 
 log = logging.getLogger("mii")
 
@@ -297,7 +297,7 @@ async def serve_replica(spec: dict) -> None:
     model_config = ModelConfig.model_validate(spec["model_config"])
     index = spec["index"]
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + CHANNEL_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
