@@ -56,3 +56,7 @@ class DeploymentUnavailableError(MIIError, RuntimeError):
 
 class ServerOverloadedError(MIIError, RuntimeError):
     """The server's queue of waiting requests is full; retry later (HTTP 429)."""
+
+
+class TensorParallelError(MIIError, RuntimeError):
+    """A tensor-parallel rank failed (died, or could not join its group); the group is down."""

@@ -1,17 +1,18 @@
 """`mii.pipeline`: a non-persistent deployment living in this process (MII's API), with streaming."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterator, Optional, Union
 
 import torch
 
 from mii.config import ModelConfig, build_config, split_kwargs
-from mii.engine.engine import Engine, RequestOutput
+from mii.engine.engine import Engine, RequestOutput, build_runner
 from mii.engine.params import GenerationParams
 from mii.engine.plan import plan_device
 from mii.errors import UnknownArgument, ValidationError
-from mii.loading import load_model, resolve_source
+from mii.loading import gguf_file, load_model, resolve_source
 from mii.response import Response
 
 log = logging.getLogger("mii")
@@ -59,28 +60,73 @@ def per_prompt_params(kwargs: dict, n: int, defaults: Optional[dict] = None) -> 
 
 
 class MIIPipeline:
+    """With `tensor_parallel=N` this process is rank 0 of N (the others are spawned workers, or torchrun's
+    processes): it schedules, samples and returns results. Under torchrun the other ranks' pipelines follow rank
+    0's calls and return `[]`, or rank 0's results with `all_rank_output=True` (MII's behaviour)."""
+
     def __init__(self, model_config: ModelConfig, all_rank_output: bool = False):
         self.model_config = model_config
-        self.all_rank_output = all_rank_output
+        self.all_rank_output = all_rank_output or model_config.all_rank_output
         plan = plan_device(model_config)
         torch.set_num_threads(plan.num_threads)
         source = resolve_source(model_config.model_name_or_path)
-        loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer)
-        self.engine: Optional[Engine] = Engine(loaded, model_config, plan)
+        self.tp = None
+        self._follower_runner = None
+        self._destroyed = False
+        self.engine: Optional[Engine] = None
+        if model_config.tensor_parallel > 1:
+            from mii.parallel.group import start
+
+            if source.kind == "gguf":  # convert once here, before the other ranks read it
+                gguf_file.cached_folder(source.path, source.name)
+            self.tp = start(model_config.model_copy(update={"num_threads": plan.num_threads}), plan.device)
+        try:
+            loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer)
+            if self.tp is None or self.tp.rank == 0:
+                self.engine = Engine(loaded, model_config, plan, self.tp)
+                self._plan = self.engine.plan
+            else:
+                self._plan, self._follower_runner = build_runner(loaded, model_config, plan, self.tp)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         self.tokenizer = loaded.tokenizer
 
     @property
     def engine_plan(self):
-        return self._engine().plan
+        self._engine()
+        return self._plan
+
+    @property
+    def is_rank_0(self) -> bool:
+        return self.tp is None or self.tp.rank == 0
 
     def _engine(self) -> Engine:
-        if self.engine is None:
+        if self._destroyed:
             raise RuntimeError("this pipeline was destroyed; create a new one with mii.pipeline(...)")
         return self.engine
 
     def destroy(self) -> None:
-        """Free the model and KV cache; later calls raise RuntimeError."""
-        self.engine = None
+        """Free the model and KV cache (and stop the other tensor-parallel ranks); later calls raise RuntimeError."""
+        self.engine = self._follower_runner = None
+        self._destroyed = True
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+
+    def _follow(self):
+        """A torchrun rank other than 0: run rank 0's steps for the length of its call."""
+        self._engine()
+        with torch.inference_mode():
+            payload = self.tp.follow(self._follower_runner.execute)
+        return payload if payload is not None and self.all_rank_output else []
+
+    def _end_call(self, results) -> None:
+        if self.tp is not None and self.tp.torchrun and not self.tp.closed:
+            from mii.parallel.group import EndCall
+
+            self.tp.send(EndCall(results if self.all_rank_output else None))
 
     # --- prompts -------------------------------------------------------------------------------------------------
 
@@ -107,7 +153,7 @@ class MIIPipeline:
         try:
             for prompt, tokens, p in zip(plist, ids, params):
                 for j in range(p.n):
-                    pj = p if p.n == 1 or p.seed is None else GenerationParams.from_kwargs({"seed": p.seed + j}, p.__dict__)
+                    pj = p if p.n == 1 or p.seed is None else dataclasses.replace(p, seed=p.seed + j)
                     uids.append(engine.add_request(tokens, pj))
                     expanded_prompts.append(prompt)
                     expanded_params.append(pj)
@@ -143,6 +189,17 @@ class MIIPipeline:
 
     def __call__(self, prompts, **kwargs) -> list[Response]:
         """Generate for one prompt or many; returns one Response per prompt (n per prompt when n > 1)."""
+        if not self.is_rank_0:
+            return self._follow()
+        try:
+            results = self._generate(prompts, kwargs)
+        except BaseException:
+            self._end_call(None)
+            raise
+        self._end_call(results)
+        return results
+
+    def _generate(self, prompts, kwargs) -> list[Response]:
         uids, plist, params, _ = self._submit(prompts, kwargs)
         index = {uid: i for i, uid in enumerate(uids)}
         texts = [[] for _ in uids]
@@ -200,4 +257,10 @@ def pipeline(model_name_or_path: Optional[str] = None, model_config=None, all_ra
     if model_name_or_path is not None:
         known["model_name_or_path"] = str(model_name_or_path)
     cfg = build_config(ModelConfig, model_config, **known)
+    if "tensor_parallel" not in cfg.model_fields_set:  # MII: under a launcher, every rank of WORLD_SIZE
+        from mii.parallel.group import torchrun_env
+
+        env = torchrun_env()
+        if env is not None:
+            cfg.tensor_parallel = env[1]
     return MIIPipeline(cfg, all_rank_output)

@@ -49,19 +49,32 @@ class _Request:
     detok: Detokenizer
 
 
+def build_runner(loaded, model_config: ModelConfig, plan: EnginePlan, tp=None) -> tuple[EnginePlan, ModelRunner]:
+    """KV cache size (the same on every tensor-parallel rank: the smallest any rank can hold) and the runner.
+    Every rank of a group calls it; `tp` is its `mii.parallel.TPGroup`."""
+    per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.torch_dtype)
+    plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position)
+    if tp is not None:
+        blocks = tp.min_int(plan.kv_num_blocks)
+        if blocks != plan.kv_num_blocks:
+            plan.kv_cache_bytes = plan.kv_cache_bytes // plan.kv_num_blocks * blocks
+            plan.kv_num_blocks = blocks
+            plan.reasons["kv_blocks"] += "; the smallest of the tensor-parallel ranks"
+    runner = ModelRunner(loaded.model, plan.kv_num_blocks, plan.kv_block_size, plan.torch_dtype,
+                         torch.device(plan.device), loaded.eos_token_ids, loaded.cfg.vocab_size,
+                         tp=tp if tp is not None and tp.rank == 0 else None)
+    return plan, runner
+
+
 class Engine:
-    def __init__(self, loaded, model_config: ModelConfig, plan: EnginePlan):
+    def __init__(self, loaded, model_config: ModelConfig, plan: EnginePlan, tp=None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = model_config
-        cfg = loaded.cfg
-        model = loaded.model
-        per_token = ModelRunner.kv_bytes_per_block(model, 1, plan.torch_dtype)
-        self.plan = plan_memory(plan, model_config, per_token, cfg.max_position)
+        self.plan, self.runner = build_runner(loaded, model_config, plan, tp)
+        plan = self.plan
         self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size)
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)
-        self.runner = ModelRunner(model, plan.kv_num_blocks, plan.kv_block_size, plan.torch_dtype,
-                                  torch.device(plan.device), loaded.eos_token_ids, cfg.vocab_size)
         self.eos = frozenset(loaded.eos_token_ids)
         self.requests: dict[int, _Request] = {}
         self._uids = itertools.count()

@@ -3,6 +3,10 @@ one forward pass, and samples.
 
 Hot path rules: the step's metadata is built once, on the host with numpy, and moved to the device in a few
 copies; the forward has no per-sequence Python loop; the one host sync per step is reading the sampled ids.
+
+Tensor parallelism: `prepare` (host metadata, a picklable `StepMeta`) is split from `execute` (device tensors,
+forward, logits). Rank 0 builds the metadata, sends it to the other ranks, and all run `execute` together
+(the layers' collectives keep them in step); only rank 0 samples.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import numpy as np
 import torch
 
 from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample
-from mii.engine.scheduler import ScheduledBatch, ScheduledChunk
+from mii.engine.scheduler import ScheduledBatch
 from mii.layers.attention import AttentionContext, AttentionGroup
 
 
@@ -38,10 +42,35 @@ def zeros_lazy(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.from_numpy(raw).view(dtype)
 
 
+@dataclass
+class GroupMeta:
+    """An attention group's sequences (numpy, [S] each): query lengths, first positions, offsets in the flat
+    batch, and block tables [S, max_blocks] padded with block 0."""
+
+    lengths: np.ndarray
+    starts: np.ndarray
+    offsets: np.ndarray
+    tables: np.ndarray
+
+
+@dataclass
+class StepMeta:
+    """One step's host-side metadata: small numpy arrays, picklable, so rank 0 can hand it to the other
+    tensor-parallel ranks, which run the same forward from it."""
+
+    input_ids: np.ndarray    # [T] int64
+    positions: np.ndarray    # [T] int64
+    slots: np.ndarray        # [T] int64: KV cache slot (block * block_size + offset) of each new token
+    groups: list             # [GroupMeta]: decode tokens, then prompt chunks (at most 2)
+    last: np.ndarray         # [R] int64: flat index of the last token of each chunk that samples
+    sample_rows: np.ndarray  # [R] int64: which chunks of the batch those are
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, eos_token_ids: tuple, vocab_size: int):
+                 device: torch.device, eos_token_ids: tuple, vocab_size: int, tp=None):
         self.model = model
+        self.tp = tp  # mii.parallel.TPGroup on rank 0 of a tensor-parallel group: steps are sent to the others
         self.block_size = block_size
         self.device = device
         self.eos = tuple(eos_token_ids)
@@ -60,17 +89,40 @@ class ModelRunner:
 
     # --- metadata ------------------------------------------------------------------------------------------------
 
-    def _group(self, chunks: list[ScheduledChunk], offsets: np.ndarray) -> AttentionGroup:
+    def prepare(self, batch: ScheduledBatch) -> StepMeta:
+        """The step's host-side metadata (numpy), built once; under tensor parallelism rank 0 sends it as is."""
+        chunks = batch.chunks
         bs = self.block_size
         S = len(chunks)
         lengths = np.fromiter((c.length for c in chunks), np.int64, S)
-        Q = int(lengths.max())
         starts = np.fromiter((c.start for c in chunks), np.int64, S)
-        max_blocks = int(-(-(starts + lengths).max() // bs))
-        tables = np.zeros((S, max_blocks), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            n = min(len(c.seq.block_table), max_blocks)
-            tables[i, :n] = c.seq.block_table[:n]
+        offsets = np.zeros(S, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        ids, slots = [], []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start: c.start + c.length])
+            p = np.arange(c.start, c.start + c.length)
+            slots.append(np.asarray(c.seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs)
+        positions = np.concatenate([np.arange(c.start, c.start + c.length) for c in chunks])
+        # the scheduler puts decode tokens first: they form one contiguous group, the rest another
+        n_decode = int(np.argmin(lengths == 1)) if (lengths > 1).any() else S
+        groups = []
+        for a, b in ((0, n_decode), (n_decode, S)):
+            if b > a:
+                max_blocks = int(-(-(starts[a:b] + lengths[a:b]).max() // bs))
+                tables = np.zeros((b - a, max_blocks), dtype=np.int64)
+                for i, c in enumerate(chunks[a:b]):
+                    n = min(len(c.seq.block_table), max_blocks)
+                    tables[i, :n] = c.seq.block_table[:n]
+                groups.append(GroupMeta(lengths[a:b], starts[a:b], offsets[a:b], tables))
+        rows = np.fromiter((i for i, c in enumerate(chunks) if c.samples), np.int64)
+        return StepMeta(np.asarray(ids, dtype=np.int64), positions, np.concatenate(slots), groups,
+                        offsets[rows] + lengths[rows] - 1, rows)
+
+    def _group(self, g: GroupMeta) -> AttentionGroup:
+        bs = self.block_size
+        S, lengths, starts, offsets = len(g.lengths), g.lengths, g.starts, g.offsets
+        Q = int(lengths.max())
         q = np.arange(Q, dtype=np.int64)
         valid = q[None, :] < lengths[:, None]                            # [S, Q]
         token_idx = np.where(valid, offsets[:, None] + q[None, :], 0)    # [S, Q]
@@ -83,30 +135,30 @@ class ModelRunner:
             token_idx=None if contiguous else t(token_idx.reshape(-1)),
             valid=None if contiguous or valid.all() else t(valid.reshape(-1)),
             flat_idx=None if contiguous else t(token_idx[valid]),
-            blocks=t(tables.reshape(-1)), q_pos=t(q_pos))
+            blocks=t(g.tables.reshape(-1)), q_pos=t(q_pos))
 
-    def _prepare(self, batch: ScheduledBatch):
-        chunks = batch.chunks
-        bs = self.block_size
-        lengths = np.fromiter((c.length for c in chunks), np.int64, len(chunks))
-        offsets = np.zeros(len(chunks), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=offsets[1:])
-        ids, pos, slots = [], [], []
-        for c in chunks:
-            ids.extend(c.seq.token_ids[c.start: c.start + c.length])
-            p = np.arange(c.start, c.start + c.length)
-            pos.append(p)
-            slots.append(np.asarray(c.seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs)
-        positions = np.concatenate(pos)
-        # the scheduler puts decode tokens first: they form one contiguous group, the rest another
-        n_decode = int(np.argmin(lengths == 1)) if (lengths > 1).any() else len(chunks)
-        groups = [self._group(chunks[a:b], offsets[a:b]) for a, b in ((0, n_decode), (n_decode, len(chunks))) if b > a]
-        ctx = AttentionContext(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
-                               block_size=bs, num_tokens=int(lengths.sum()), groups=groups)
-        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
-        last = offsets[sample_rows] + lengths[sample_rows] - 1
-        return (torch.tensor(ids, dtype=torch.long, device=self.device), torch.from_numpy(positions).to(self.device),
-                ctx, [chunks[i].seq for i in sample_rows], torch.from_numpy(last).to(self.device))
+    def _inputs(self, meta: StepMeta):
+        """Device tensors of a step: (input ids [T], positions [T], AttentionContext, sampled rows' last token [R])."""
+        dev = self.device
+        ctx = AttentionContext(slot_mapping=torch.from_numpy(meta.slots).to(dev), block_size=self.block_size,
+                               num_tokens=len(meta.input_ids), groups=[self._group(g) for g in meta.groups])
+        return (torch.from_numpy(meta.input_ids).to(dev), torch.from_numpy(meta.positions).to(dev), ctx,
+                torch.from_numpy(meta.last).to(dev))
+
+    def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
+        """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none)."""
+        input_ids, positions, ctx, last = self._inputs(meta)
+        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        if not len(meta.last):
+            return None
+        return self.model.compute_logits(hidden[last])  # [R, V]
+
+    def _forward(self, meta: StepMeta) -> Optional[torch.Tensor]:
+        if self.tp is None:
+            return self.execute(meta)
+        self.tp.send(meta)
+        with self.tp.guard():
+            return self.execute(meta)
 
     def _sampling_batch(self, seqs) -> SamplingBatch:
         V = self.vocab_size
@@ -147,15 +199,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        input_ids, positions, ctx, seqs, last = self._prepare(batch)
-        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        if not seqs:
+        meta = self.prepare(batch)
+        logits = self._forward(meta)
+        if logits is None:
             return StepOutput([], SamplerOutput([]))
-        logits = self.model.compute_logits(hidden[last])  # [S, V]
+        seqs = [batch.chunks[i].seq for i in meta.sample_rows]
         return StepOutput([s.uid for s in seqs], sample(logits, self._sampling_batch(seqs)))
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of the sampled rows (for tests and scoring), without sampling."""
-        input_ids, positions, ctx, seqs, last = self._prepare(batch)
-        return self.model.compute_logits(self.model(input_ids, positions, ctx)[last]).float()
+        return self._forward(self.prepare(batch)).float()

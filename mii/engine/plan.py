@@ -11,6 +11,7 @@ import torch
 
 from mii.config import ModelConfig
 from mii.errors import KVCacheError, ValidationError
+from mii.parallel.group import ranks_on_this_host
 
 log = logging.getLogger("mii")
 
@@ -29,6 +30,7 @@ class EnginePlan:
     max_batch_tokens: int = 0
     max_batch_seqs: int = 0
     max_context: int = 0
+    tensor_parallel: int = 1
     attention_backend: str = "torch-sdpa (paged, gathered blocks)"
     reasons: dict = field(default_factory=dict)
 
@@ -38,6 +40,7 @@ class EnginePlan:
 
     def describe(self) -> str:
         rows = [("device", self.device), ("dtype", self.dtype), ("threads", self.num_threads),
+                ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
                 ("attention", self.attention_backend), ("kv_block_size", self.kv_block_size),
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
@@ -89,10 +92,16 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
     elif dtype == "float16" and device == "cpu":
         log.warning("float16 matmul is very slow on most CPUs; bfloat16 or float32 is recommended")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = cfg.num_threads or cores
+    ranks = ranks_on_this_host(cfg.tensor_parallel)
+    threads = cfg.num_threads or max(1, cores // ranks)
     if not cfg.num_threads:
-        reasons["threads"] = "auto: every core this process may use"
-    return EnginePlan(device=device, dtype=dtype, num_threads=threads, reasons=reasons)
+        reasons["threads"] = ("auto: every core this process may use" if ranks == 1 else
+                              f"auto: {cores} cores shared by {ranks} tensor-parallel ranks, per rank")
+    if cfg.tensor_parallel > 1:
+        reasons["tensor parallel"] = (f"one process per rank, {'NCCL' if device == 'cuda' else 'gloo'}; "
+                                      "weights and KV heads sharded")
+    return EnginePlan(device=device, dtype=dtype, num_threads=threads, tensor_parallel=cfg.tensor_parallel,
+                      reasons=reasons)
 
 
 def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, model_max_context: int) -> EnginePlan:
@@ -116,8 +125,10 @@ def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, 
             budget = free - mem.size
             plan.reasons["kv_blocks"] = f"reserve: free GPU memory less {mem.size} bytes"
         else:
-            budget = min(_available_ram() - mem.size, CPU_KV_CAP_BYTES)
-            plan.reasons["kv_blocks"] = f"reserve: available RAM less {mem.size} bytes, capped at 2 GiB on CPU"
+            ranks = ranks_on_this_host(cfg.tensor_parallel)  # tensor-parallel ranks share the host's RAM
+            budget = min(_available_ram() - mem.size, CPU_KV_CAP_BYTES) // ranks
+            plan.reasons["kv_blocks"] = (f"reserve: available RAM less {mem.size} bytes, capped at 2 GiB on CPU"
+                                         + (f", shared by {ranks} ranks" if ranks > 1 else ""))
         # never more than every tracked sequence at full context needs
         needed = sm.max_tracked_sequences * -(-plan.max_context // plan.kv_block_size)
         plan.kv_num_blocks = min(max(budget, 0) // block_bytes, needed)
