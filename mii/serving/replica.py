@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mii.engine.engine import RequestOutput
 from mii.engine.params import GenerationParams
 from mii.errors import ServerOverloadedError, ValidationError
+from mii.pipeline import normalize_prompts, per_prompt_params
 from mii.response import Response
 from mii.serving.protocol import CHANNEL_OPTIONS, error_info, error_status, pb2, pb2_grpc, read_request, to_reply
 
@@ -160,9 +161,6 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
     """MII's service on one engine. Each call expands prompts × n into sequences and streams their outputs."""
 
     def __init__(self, pipe, loop: EngineLoop, index: int, model_name: str, on_terminate):
-        from mii.pipeline import normalize_prompts, per_prompt_params
-
-        self._normalize, self._per_prompt = normalize_prompts, per_prompt_params
         self.pipe = pipe
         self.loop = loop
         self.index = index
@@ -174,8 +172,8 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
     def _prepare(self, request):
         """Validate and expand a request: (prompts, token ids, params) per sequence (n per prompt)."""
         prompts, kwargs = read_request(request)
-        plist, _ = self._normalize(prompts)
-        params = self._per_prompt(kwargs, len(plist))
+        plist, _ = normalize_prompts(prompts)
+        params = per_prompt_params(kwargs, len(plist))
         engine = self.pipe.engine
         out_prompts, out_ids, out_params = [], [], []
         for i, (prompt, p) in enumerate(zip(plist, params)):
