@@ -159,6 +159,7 @@ class Deployment:
             own = mc.model_copy(update={"num_threads": threads, "torch_dist_port": mc.torch_dist_port + i})
             spec = dict(index=i, model_config=own.model_dump(mode="json"),
                         max_waiting_requests=self.cfg.max_waiting_requests, model_name=self.served.name,
+                        log_level=log.getEffectiveLevel(),
                         ready_file=str(self._tmp / f"replica{i}.ready"), error_file=str(self._tmp / f"replica{i}.error"))
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
             proc = subprocess.Popen([sys.executable, "-m", "mii.serving.replica"], stdin=subprocess.PIPE, env=env,

@@ -302,6 +302,8 @@ async def serve_replica(spec: dict) -> None:
     await server.start()
 
     pipe = await asyncio.to_thread(MIIPipeline, model_config)
+    if pipe.tp is not None:  # a tensor-parallel rank that dies takes this replica down (out of rotation), no hang
+        pipe.tp.on_failure = lambda why: os._exit(1)
     engine_loop = EngineLoop(pipe.engine, spec.get("max_waiting_requests"))
     engine_loop.start()
     done = asyncio.Event()
@@ -332,6 +334,7 @@ def _write_json(path: str, data: dict) -> None:
 
 def main() -> int:
     spec = json.loads(sys.stdin.read())
+    log.setLevel(spec.get("log_level", logging.INFO))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
         asyncio.run(serve_replica(spec))
