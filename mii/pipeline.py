@@ -88,8 +88,8 @@ class MIIPipeline:
             else:
                 self._plan, self._follower_runner = build_runner(loaded, model_config, plan, self.tp)
         except BaseException:
-            if self.tp is not None:
-                self.tp.close()
+            if self.tp is not None:  # the other ranks may be anywhere in loading: stop them hard
+                self.tp.close(graceful=False)
             raise
         self.tokenizer = loaded.tokenizer
 

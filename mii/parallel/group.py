@@ -188,13 +188,16 @@ class TPGroup:
             with contextlib.suppress(Exception):
                 p.wait(timeout=10)
 
-    def close(self) -> None:
-        """Rank 0: stop the followers (spawned workers exit); every rank: leave the groups, back to one rank."""
+    def close(self, graceful: bool = True) -> None:
+        """Rank 0: stop the followers (spawned workers exit; `graceful=False` kills them, for when the ranks may be
+        out of step); every rank: leave the groups, back to one rank."""
         global _ACTIVE
         if self.control is None:
             return
         was_closing, self._closing = self._closing, True
-        if self.rank == 0 and self.failed is None and not was_closing:
+        if not graceful:
+            self._kill_workers()
+        elif self.rank == 0 and self.failed is None and not was_closing:
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([Shutdown()], src=0, group=self.control)
         deadline = time.monotonic() + 10
