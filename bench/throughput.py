@@ -60,7 +60,11 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both systems (default: all cores); 1 keeps ratios stable on a busy machine")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompts, outputs = w64(args.requests)
     n_in, n_out = sum(map(len, prompts)), sum(outputs)
@@ -68,7 +72,7 @@ def main():
     gflops = matmul_gflops(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     print(f"machine: {args.dtype} matmul {gflops:.0f} GFLOP/s, copy {copy_gbps():.0f} GB/s, {torch.get_num_threads()} threads")
 
-    pipe = mii.pipeline(dtype=args.dtype)
+    pipe = mii.pipeline(dtype=args.dtype, num_threads=torch.get_num_threads())
     run_mii(pipe, prompts[:4], [8] * min(4, len(prompts)))  # warm-up
     floor = workload_flops(pipe.engine.loaded.cfg, prompts, outputs) / (gflops * 1e9)
     wall = run_mii(pipe, prompts, outputs)

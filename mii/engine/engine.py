@@ -54,6 +54,9 @@ def build_runner(loaded, model_config: ModelConfig, plan: EnginePlan, tp=None) -
     Every rank of a group calls it; `tp` is its `mii.parallel.TPGroup`."""
     per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.torch_dtype)
     plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position)
+    if loaded.prepacked:
+        plan.linear_backend = f"oneDNN prepacked bf16 ({loaded.prepacked} weights)"
+        plan.reasons["linears"] = "bf16 on CPU: blocked layout, 1.3-2x faster at decode batch sizes"
     if tp is not None:
         blocks = tp.min_int(plan.kv_num_blocks)
         if blocks != plan.kv_num_blocks:

@@ -32,6 +32,7 @@ class EnginePlan:
     max_context: int = 0
     tensor_parallel: int = 1
     attention_backend: str = "torch-sdpa (paged, gathered blocks)"
+    linear_backend: str = "torch"
     reasons: dict = field(default_factory=dict)
 
     @property
@@ -41,7 +42,8 @@ class EnginePlan:
     def describe(self) -> str:
         rows = [("device", self.device), ("dtype", self.dtype), ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
-                ("attention", self.attention_backend), ("kv_block_size", self.kv_block_size),
+                ("attention", self.attention_backend), ("linears", self.linear_backend),
+                ("kv_block_size", self.kv_block_size),
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
                 ("token budget", self.max_batch_tokens), ("max sequences/step", self.max_batch_seqs),

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii.layers.linear import check_shape
+from mii.layers.linear import check_shape, packed_linear
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -37,6 +37,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary; shares the embedding's weight when the model ties them."""
 
+    packed = None  # oneDNN blocked copy of the weight, set by prepack_cpu_bf16
+
     def __init__(self, vocab_size: int, dim: int, bias: bool = False):
         super().__init__(vocab_size, dim)
         if bias:
@@ -46,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight, self.bias)
+        logits = packed_linear(h, self.packed, self.weight, self.bias)
         if self.tp > 1:
             pad = self.shard - logits.shape[-1]
             logits = all_gather_last(F.pad(logits, (0, pad)))[..., : self.vocab_size]

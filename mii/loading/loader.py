@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mii.errors import ModelLoadError
-from mii.layers.linear import check_shape
+from mii.layers.linear import check_shape, prepack_cpu_bf16
 from mii.loading import checkpoint, gguf_file
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
@@ -28,6 +28,8 @@ class LoadedModel:
     tokenizer: object
     eos_token_ids: tuple
     source: ModelSource
+    prepacked: int = 0
+    """Linears whose weights were re-laid out for oneDNN (bf16 on CPU)."""
 
 
 @contextlib.contextmanager
@@ -61,7 +63,7 @@ def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               tokenizer: Optional[str] = None) -> LoadedModel:
+               tokenizer: Optional[str] = None, prepack: bool = True) -> LoadedModel:
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
@@ -71,8 +73,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model = spec.model_class(cfg)
     load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False))
     model.eval()
+    packed = prepack_cpu_bf16(model) if prepack else 0
     tok = load_tokenizer(folder, tokenizer)
-    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source)
+    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed)
 
 
 def _copy_loader(param, loaded, shard_id=None):

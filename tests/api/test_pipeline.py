@@ -171,3 +171,12 @@ def test_mii_compatibility_forms(default_model_path):
         pipe.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         pipe("again")
+
+
+def test_n_samples_per_prompt(default_pipe, chat_prompt):
+    outs = default_pipe([chat_prompt, "Once upon a time"], n=3, max_new_tokens=12, do_sample=True, seed=7,
+                        temperature=1.2, top_p=1.0)
+    assert len(outs) == 6
+    assert len({o.generated_text for o in outs[:3]}) == 3  # three different samples of the first prompt
+    again = default_pipe([chat_prompt], n=3, max_new_tokens=12, do_sample=True, seed=7, temperature=1.2, top_p=1.0)
+    assert [o.generated_text for o in again] == [o.generated_text for o in outs[:3]]
