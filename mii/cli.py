@@ -9,6 +9,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 where the CPU/GPU has fast bf16, else float32)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (gloo on CPU, NCCL on GPU)")
 
 
 def _split_model_prompt(values: list[str]) -> tuple[str | None, str]:
@@ -23,7 +25,7 @@ def cmd_generate(args) -> int:
     import mii
 
     model, prompt = _split_model_prompt(args.args)
-    pipe = mii.pipeline(model, dtype=args.dtype, device=args.device)
+    pipe = mii.pipeline(model, dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel)
     if not args.raw and getattr(pipe.tokenizer, "chat_template", None):
         prompt = pipe.apply_chat_template([{"role": "user", "content": prompt}])
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
@@ -38,7 +40,7 @@ def cmd_generate(args) -> int:
 def cmd_explain(args) -> int:
     import mii
 
-    pipe = mii.pipeline(args.model, dtype=args.dtype, device=args.device)
+    pipe = mii.pipeline(args.model, dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel)
     print(pipe.engine_plan.describe())
     return 0
 
@@ -50,6 +52,7 @@ def cmd_serve(args) -> int:
     from mii.serving.launch import build_mii_config
 
     kwargs = dict(dtype=args.dtype, device=args.device, replica_num=args.replicas, port_number=args.grpc_port,
+                  tensor_parallel=args.tensor_parallel,
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
                   max_waiting_requests=args.max_waiting, api_key=args.api_key)
     if args.deployment_name:
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-waiting", type=int, default=None,
                    help="requests an engine may queue before refusing new ones with 429 (default: unbounded)")
     v.add_argument("--max-context", type=int, default=None, help="longest sequence accepted (default: the model's)")
-    v.add_argument("--num-threads", type=int, default=None, help="CPU threads per replica (default: cores / replicas)")
+    v.add_argument("--num-threads", type=int, default=None, help="CPU threads per engine process (default: cores / (replicas x tensor-parallel ranks))")
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     _add_model_args(v)
     v.set_defaults(func=cmd_serve)

@@ -62,7 +62,10 @@ class ModelConfig(_Config):
     """Where to load the tokenizer from, when not from the model itself."""
     task: TaskType = TaskType.TEXT_GENERATION
     tensor_parallel: int = Field(1, ge=1)
+    """Processes (ranks) the model is sharded over, joined with torch.distributed (gloo on CPU, NCCL on GPU, one
+    GPU per rank). Under torchrun (RANK/WORLD_SIZE set) `mii.pipeline` joins that group and defaults to WORLD_SIZE."""
     replica_num: int = Field(1, ge=1)
+    """Independent engines (each `tensor_parallel` processes) behind a deployment's load balancer."""
     max_length: Optional[int] = Field(None, ge=1)
     """Default `max_length` (prompt + generated) of a request; the model's context when unset."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -73,13 +76,16 @@ class ModelConfig(_Config):
     """Reserved (MII's field); only None is supported now."""
     inference_engine_config: InferenceEngineConfig = Field(default_factory=InferenceEngineConfig)
     torch_dist_port: int = Field(29500, ge=1, le=65535)
+    """Rendezvous port of the tensor-parallel group on 127.0.0.1 (replica i of a deployment uses this + i)."""
     device_map: Any = DEVICE_MAP_DEFAULT
     """MII's field; `auto` (one process per rank on this host) is the only placement."""
     all_rank_output: bool = False
+    """Under torchrun: every rank's pipeline call returns rank 0's results (otherwise the other ranks get [])."""
     sync_debug: bool = False
     profile_model_time: bool = False
     num_threads: Optional[int] = Field(None, ge=1)
-    """CPU threads of the engine; all cores of this process when unset."""
+    """CPU threads of each engine process (each tensor-parallel rank); the cores divided between the processes
+    on this host when unset."""
     seed: int = 0
     """Seed of the sampling noise for requests that do not give their own `seed`."""
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mii.errors import MIIError, TensorParallelError, ValidationError
-from mii.parallel.state import set_tp, tp_size
+from mii.parallel.state import set_tp
 
 log = logging.getLogger("mii")
 
@@ -344,5 +344,4 @@ def join_spawned(rank: int, size: int, port: int, device: str) -> TPGroup:
     return TPGroup(rank, size, _backend(device))
 
 
-__all__ = ["EndCall", "Shutdown", "TPGroup", "join_spawned", "ranks_on_this_host", "start", "torchrun_env",
-           "tp_size"]
+__all__ = ["EndCall", "Shutdown", "TPGroup", "join_spawned", "ranks_on_this_host", "start", "torchrun_env"]
