@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import logging
+import weakref
 from typing import Iterator, Optional, Union
 
 import torch
@@ -67,6 +69,11 @@ class MIIPipeline:
     def __init__(self, model_config: ModelConfig, all_rank_output: bool = False):
         self.model_config = model_config
         self.all_rank_output = all_rank_output or model_config.all_rank_output
+        from mii.parallel.group import active_group
+
+        if active_group() is not None:  # the layers' rank and size are process-wide
+            raise ValidationError("tensor_parallel", "a tensor-parallel pipeline is running in this process; "
+                                                     "destroy() it before creating another pipeline")
         plan = plan_device(model_config)
         torch.set_num_threads(plan.num_threads)
         source = resolve_source(model_config.model_name_or_path)
@@ -92,6 +99,8 @@ class MIIPipeline:
                 self.tp.close(graceful=False)
             raise
         self.tokenizer = loaded.tokenizer
+        if self.tp is not None:  # a pipeline dropped without destroy() still stops its ranks
+            weakref.finalize(self, self.tp.close)
 
     @property
     def engine_plan(self):
@@ -194,7 +203,8 @@ class MIIPipeline:
         try:
             results = self._generate(prompts, kwargs)
         except BaseException:
-            self._end_call(None)
+            with contextlib.suppress(Exception):  # followers must not wait; the original error is the one to see
+                self._end_call(None)
             raise
         self._end_call(results)
         return results

@@ -209,4 +209,5 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of the sampled rows (for tests and scoring), without sampling."""
-        return self._forward(self.prepare(batch)).float()
+        logits = self._forward(self.prepare(batch))
+        return logits.float() if logits is not None else torch.empty(0, self.vocab_size)

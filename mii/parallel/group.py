@@ -137,11 +137,11 @@ class TPGroup:
         except Exception as e:
             if isinstance(e, MIIError) and not isinstance(e, TensorParallelError):
                 raise
-            why = None
+            why = self._dead_worker()
             deadline = time.monotonic() + 2.0  # a dead peer's exit code may lag its closed sockets
             while self.workers and why is None and time.monotonic() < deadline:
+                time.sleep(0.05)
                 why = self._dead_worker()
-                time.sleep(0.05) if why is None else None
             self.failed = self.failed or why or f"{type(e).__name__}: {e}"
             self._kill_workers()
             if why is None and not isinstance(e, (dist.DistError, TensorParallelError)):
@@ -236,13 +236,15 @@ def _use_device(device: str, local_rank: int, size: int) -> None:
         torch.cuda.set_device(local_rank)
 
 
+def active_group() -> Optional[TPGroup]:
+    """The tensor-parallel group this process is in, if any (the layers' rank and size are process-wide)."""
+    return _ACTIVE() if _ACTIVE is not None else None
+
+
 def start(model_config, device: str) -> TPGroup:
     """Join (torchrun) or create (spawn N - 1 workers) the tensor-parallel group of `model_config`; sets this
     process's rank so the layers build and load their shard."""
     global _ACTIVE
-    if _ACTIVE is not None and _ACTIVE() is not None:
-        raise ValidationError("tensor_parallel", "a tensor-parallel pipeline is already running in this process; "
-                                                 "destroy() it first (one per process)")
     n = model_config.tensor_parallel
     env = torchrun_env()
     if env is not None:
@@ -344,4 +346,4 @@ def join_spawned(rank: int, size: int, port: int, device: str) -> TPGroup:
     return TPGroup(rank, size, _backend(device))
 
 
-__all__ = ["EndCall", "Shutdown", "TPGroup", "join_spawned", "ranks_on_this_host", "start", "torchrun_env"]
+__all__ = ["active_group", "EndCall", "Shutdown", "TPGroup", "join_spawned", "ranks_on_this_host", "start", "torchrun_env"]

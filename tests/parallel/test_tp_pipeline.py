@@ -105,6 +105,9 @@ def test_a_rank_that_dies_is_a_clear_error(llama, when):
                         torch_dist_port=free_port())
     try:
         worker = pipe.tp.workers[0]
+        if when == "idle":  # the layers' rank is process-wide: no second pipeline next to a tensor-parallel one
+            with pytest.raises(mii.errors.ValidationError, match="destroy"):
+                mii.pipeline(str(llama), dtype="float32", inference_engine_config=KV)
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {worker.pid}\) exited with code -9"):
             if when == "idle":
