@@ -172,3 +172,28 @@ def test_under_torchrun(llama, tmp_path):
     assert ranks[0]["first"] == ranks[1]["first"] == want  # all_rank_output: every rank gets rank 0's results
     assert (ranks[0]["second"], ranks[1]["second"]) == (1, 0)  # otherwise only rank 0 does
     assert ranks[0]["tp"] == ranks[1]["tp"] == 2  # tensor_parallel defaults to WORLD_SIZE (MII)
+
+
+DIE = """
+import os, sys
+import mii
+pipe = mii.pipeline(sys.argv[1], dtype="float32", tensor_parallel=2, torch_dist_port=int(sys.argv[2]),
+                    inference_engine_config=%r)
+print(pipe.tp.workers[0].pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_workers_exit_when_rank_0_is_killed(llama, tmp_path):
+    from tests.parallel.conftest import wait_gone
+
+    script = tmp_path / "die.py"
+    script.write_text(DIE % (KV,))
+    proc = subprocess.run([sys.executable, str(script), str(llama), str(free_port())], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    worker = int(proc.stdout.split()[0])
+    left = wait_gone([worker], timeout=15)
+    if left:
+        os.kill(worker, signal.SIGKILL)
+    assert not left, "a worker outlived its rank 0"
