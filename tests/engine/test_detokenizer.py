@@ -1,0 +1,40 @@
+"""Incremental detokenization with the real SmolLM2 tokenizer: UTF-8 safe chunks, stop strings cut."""
+import pytest
+from transformers import AutoTokenizer
+
+from mii.engine.detokenizer import Detokenizer
+
+TEXT = " naïve café — 🤗 emoji, 世界 and ünïcödé ✓ done"
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def feed(detok, ids):
+    chunks = [detok.add(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    return chunks
+
+
+def test_multibyte_characters_never_split(tok):
+    prompt = tok.encode("Say:")
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert any(len(tok.decode([t])) and "\ufffd" in tok.decode([t]) for t in ids)  # some tokens are partial bytes
+    chunks = feed(Detokenizer(tok, prompt), ids)
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("stop", ["世界", "emoji,", "✓ do"])
+def test_stop_string_cut_and_held_back(tok, stop):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    detok = Detokenizer(tok, [], stop=(stop, "never appears"))
+    out = []
+    for t in ids:
+        out.append(detok.add(t))
+        if detok.stopped:
+            break
+    # nothing of the stop string was ever released, even when it spans several tokens
+    assert detok.stopped
+    assert "".join(out) == tok.decode(ids)[: tok.decode(ids).index(stop)]
