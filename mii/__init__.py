@@ -5,6 +5,10 @@
     client = mii.serve("path/or/hub-id", deployment_name="my-deployment")   # persistent: separate processes
     mii.client("my-deployment").generate("Hello", max_new_tokens=64)
 """
+from mii.envs import tune_openmp as _tune_openmp
+
+_tune_openmp()  # before anything imports torch
+
 import logging as _logging
 
 from mii import config

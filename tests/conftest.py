@@ -1,3 +1,4 @@
+import mii  # noqa: F401  (first: it tunes OpenMP before torch loads)
 import os
 from pathlib import Path
 
