@@ -252,37 +252,22 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
     async def _stream_completions(lb, job: _Job, req: CompletionRequest):
         stream, first = await _first_chunk(lb, job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        offsets = [len(e) for e in job.echo for _ in range(job.n)]
+        head = ([_completion_chunk(job, i, job.echo[i // job.n], None, None) for i in range(len(offsets))]
+                if req.echo else [])
 
-        async def events():
-            last = None
-            done: set[int] = set()
-            offsets = [len(e) for e in job.echo for _ in range(job.n)]
-            try:
-                chunk = first
-                if req.echo:
-                    for i in range(len(offsets)):
-                        yield _sse(_completion_chunk(job, i, job.echo[i // job.n], None, None))
-                while chunk is not None:
-                    last = chunk
-                    for i, r in enumerate(chunk.response):
-                        if i in done or (not r.response and not r.token_ids and _finish(r.finish_reason) is None):
-                            continue
-                        lp = _completion_logprobs(job, r, offsets[i]) if job.want_logprobs else None
-                        offsets[i] += len(r.response)
-                        yield _sse(_completion_chunk(job, i, r.response, _finish(r.finish_reason), lp))
-                        if _finish(r.finish_reason):
-                            done.add(i)
-                    chunk = await _next(stream)
-                if include_usage and last is not None:
-                    yield _sse({"id": job.id, "object": "text_completion", "created": job.created,
-                                "model": model.name, "choices": [], "usage": job.usage(last.response)})
-            except errors.MIIError as e:
-                yield _sse(api_error(e).body())
-            finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
+        def choice_event(i, r, finish):
+            lp = _completion_logprobs(job, r, offsets[i]) if job.want_logprobs else None
+            offsets[i] += len(r.response)
+            return _completion_chunk(job, i, r.response, finish, lp)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        def usage_event(last):
+            if include_usage:
+                return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
+                        "choices": [], "usage": job.usage(last.response)}
+
+        events = _sse_events(stream, first, head, choice_event, usage_event)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _completion_chunk(job: _Job, i: int, text: str, finish, lp) -> dict:
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
@@ -319,34 +304,48 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
                 data["usage"] = usage
             return data
 
-        async def events():
-            last = None
-            done: set[int] = set()
-            try:
-                yield _sse(chunk_of([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None} for i in range(job.n)]))
-                chunk = first
-                while chunk is not None:
-                    last = chunk
-                    for i, r in enumerate(chunk.response):
-                        finish = _finish(r.finish_reason)
-                        if i in done or (not r.response and not r.token_ids and finish is None):
-                            continue
-                        delta = {"content": r.response} if r.response else {}
-                        lp = _chat_logprobs(job, r) if job.want_logprobs else None
-                        yield _sse(chunk_of([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]))
-                        if finish:
-                            done.add(i)
-                    chunk = await _next(stream)
-                if include_usage and last is not None:
-                    yield _sse(chunk_of([], job.usage(last.response)))
-            except errors.MIIError as e:
-                yield _sse(api_error(e).body())
-            finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
+        head = [chunk_of([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for i in range(job.n)])]
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        def choice_event(i, r, finish):
+            delta = {"content": r.response} if r.response else {}
+            lp = _chat_logprobs(job, r) if job.want_logprobs else None
+            return chunk_of([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+
+        def usage_event(last):
+            return chunk_of([], job.usage(last.response)) if include_usage else None
+
+        events = _sse_events(stream, first, head, choice_event, usage_event)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _sse_events(stream, first, head: list, choice_event, usage_event):
+    """The SSE body shared by completions and chat: `head` events, then one event per choice with news in each
+    chunk (`choice_event(index, reply, finish_reason)`), the usage event if any, errors in OpenAI's shape, and
+    `data: [DONE]`; the upstream stream is closed whatever happens (which cancels it if the client left)."""
+    last, done = None, set()
+    try:
+        for event in head:
+            yield _sse(event)
+        chunk = first
+        while chunk is not None:
+            last = chunk
+            for i, r in enumerate(chunk.response):
+                finish = _finish(r.finish_reason)
+                if i in done or (not r.response and not r.token_ids and finish is None):
+                    continue
+                yield _sse(choice_event(i, r, finish))
+                if finish:
+                    done.add(i)
+            chunk = await _next(stream)
+        usage = usage_event(last) if last is not None else None
+        if usage is not None:
+            yield _sse(usage)
+    except errors.MIIError as e:
+        yield _sse(api_error(e).body())
+    finally:
+        await stream.aclose()
+    yield "data: [DONE]\n\n"
 
 
 async def _next(stream):
