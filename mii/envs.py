@@ -1,6 +1,7 @@
 """The few environment knobs mii reads, all in one place."""
 import os
 from pathlib import Path
+from typing import Optional
 
 
 def cache_dir() -> Path:
@@ -15,3 +16,19 @@ def tune_openmp() -> None:
     20k spins; 2-10% slower on an idle machine. Takes effect only when mii is imported before torch; a value
     already set wins."""
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
+
+def torchrun_env() -> Optional[tuple[int, int, int]]:
+    """(rank, world size, local rank) when launched by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    return None
+
+
+def ranks_on_this_host(tensor_parallel: int) -> int:
+    """Processes of a tensor-parallel group that share this host's cores (torchrun: LOCAL_WORLD_SIZE)."""
+    if tensor_parallel == 1:
+        return 1
+    if torchrun_env() is not None:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return tensor_parallel

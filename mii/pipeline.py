@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from mii.config import ModelConfig, build_config, split_kwargs
-from mii.engine.engine import Engine, RequestOutput, build_runner
+from mii.engine.engine import Engine, RequestOutput, finish_plan_and_build_runner
 from mii.engine.params import GenerationParams
 from mii.engine.plan import plan_device
 from mii.errors import UnknownArgument, ValidationError
@@ -93,7 +93,7 @@ class MIIPipeline:
                 self.engine = Engine(loaded, model_config, plan, self.tp)
                 self._plan = self.engine.plan
             else:
-                self._plan, self._follower_runner = build_runner(loaded, model_config, plan, self.tp)
+                self._plan, self._follower_runner = finish_plan_and_build_runner(loaded, model_config, plan, self.tp)
         except BaseException:
             if self.tp is not None:  # the other ranks may be anywhere in loading: stop them hard
                 self.tp.close(graceful=False)
@@ -268,7 +268,7 @@ def pipeline(model_name_or_path: Optional[str] = None, model_config=None, all_ra
         known["model_name_or_path"] = str(model_name_or_path)
     cfg = build_config(ModelConfig, model_config, **known)
     if "tensor_parallel" not in cfg.model_fields_set:  # MII: under a launcher, every rank of WORLD_SIZE
-        from mii.parallel.group import torchrun_env
+        from mii.envs import torchrun_env
 
         env = torchrun_env()
         if env is not None:

@@ -49,9 +49,11 @@ class _Request:
     detok: Detokenizer
 
 
-def build_runner(loaded, model_config: ModelConfig, plan: EnginePlan, tp=None) -> tuple[EnginePlan, ModelRunner]:
-    """KV cache size (the same on every tensor-parallel rank: the smallest any rank can hold) and the runner.
-    Every rank of a group calls it; `tp` is its `mii.parallel.TPGroup`."""
+def finish_plan_and_build_runner(loaded, model_config: ModelConfig, plan: EnginePlan,
+                                 tp=None) -> tuple[EnginePlan, ModelRunner]:
+    """Finish the plan with what loading tells (the KV cache size, the same on every tensor-parallel rank: the
+    smallest any rank can hold; the linear backend) and build the runner on it. Every rank of a group calls it;
+    `tp` is its `mii.parallel.TPGroup`."""
     per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.torch_dtype)
     plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position)
     if loaded.prepacked:
@@ -74,7 +76,7 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = model_config
-        self.plan, self.runner = build_runner(loaded, model_config, plan, tp)
+        self.plan, self.runner = finish_plan_and_build_runner(loaded, model_config, plan, tp)
         plan = self.plan
         self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size)
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mii.config import ModelConfig
+from mii.envs import ranks_on_this_host
 from mii.errors import KVCacheError, ValidationError
-from mii.parallel.group import ranks_on_this_host
 
 log = logging.getLogger("mii")
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from mii.envs import ranks_on_this_host, torchrun_env
 from mii.errors import MIIError, TensorParallelError, ValidationError
 from mii.parallel.state import set_tp
 
@@ -57,22 +58,6 @@ class EndCall:
 
 class Shutdown:
     """The group is closing: followers leave their loop."""
-
-
-def torchrun_env() -> Optional[tuple[int, int, int]]:
-    """(rank, world size, local rank) when launched by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-    return None
-
-
-def ranks_on_this_host(tensor_parallel: int) -> int:
-    """Processes of this group that share this host's cores (torchrun: LOCAL_WORLD_SIZE)."""
-    if tensor_parallel == 1:
-        return 1
-    if torchrun_env() is not None:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    return tensor_parallel
 
 
 _ACTIVE: Optional["weakref.ref[TPGroup]"] = None
@@ -346,4 +331,4 @@ def join_spawned(rank: int, size: int, port: int, device: str) -> TPGroup:
     return TPGroup(rank, size, _backend(device))
 
 
-__all__ = ["active_group", "EndCall", "Shutdown", "TPGroup", "join_spawned", "ranks_on_this_host", "start", "torchrun_env"]
+__all__ = ["active_group", "EndCall", "Shutdown", "TPGroup", "join_spawned", "start"]

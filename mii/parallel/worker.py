@@ -26,7 +26,7 @@ def run(spec: dict) -> None:
     import torch
 
     from mii.config import ModelConfig
-    from mii.engine.engine import build_runner
+    from mii.engine.engine import finish_plan_and_build_runner
     from mii.engine.plan import plan_device
     from mii.loading import load_model, resolve_source
     from mii.parallel.group import join_spawned
@@ -37,7 +37,7 @@ def run(spec: dict) -> None:
     group = join_spawned(spec["rank"], spec["size"], spec["port"], spec["device"])
     source = resolve_source(mc.model_name_or_path)
     loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), mc.tokenizer)
-    _, runner = build_runner(loaded, mc, plan, group)
+    _, runner = finish_plan_and_build_runner(loaded, mc, plan, group)
     with torch.inference_mode():
         while not group.closed:
             group.follow(runner.execute)
