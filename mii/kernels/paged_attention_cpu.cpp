@@ -1,0 +1,199 @@
+// Paged attention on CPU that reads the KV blocks in place (mii::paged_attention, CPU kernel).
+//
+// One call per layer and step for a whole ragged batch (decode tokens and prompt chunks together): the step's
+// new K/V are written into their cache slots, then every query attends to its sequence's keys through the
+// block table, with an online softmax (flash-attention style, fp32 accumulation), causal, GQA, an optional
+// sliding window. No gathered copy of the blocks, no [S, L] mask. Work items are (sequence, kv head, tile of
+// queries); the query heads that share a kv head are processed together, so each key row is loaded once for
+// all of them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kQueryTile = 16;  // query tokens per work item (prompt chunks)
+constexpr int kMaxRows = 128;   // query tokens x heads per kv head in one tile
+// built with -ffast-math (vectorized exp and reductions): no infinities anywhere, a finite "minus infinity"
+constexpr float kNegBig = -1e30f;
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+
+// a row of `d` values of type T as float
+template <typename T> inline void load_row(const T* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
+}
+template <> inline void load_row<float>(const float* src, float* dst, int64_t d) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
+template <> inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t d) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+template <typename T>
+void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* query_start,
+            const int32_t* seq_lens, const int32_t* tables, int64_t num_seqs, int64_t table_width,
+            int64_t n_heads, int64_t n_kv, int64_t d, int64_t block_size, double scale, int64_t window,
+            int64_t q_stride, int64_t o_stride) {
+  const int64_t group = n_heads / n_kv;
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
+  // work items: (sequence, kv head, query tile)
+  std::vector<int64_t> item_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    int64_t ql = query_start[s + 1] - query_start[s];
+    item_start[s + 1] = item_start[s] + n_kv * ((ql + tile - 1) / tile);
+  }
+  const int64_t kv_row = n_kv * d;  // elements between consecutive slots of the cache
+  const int64_t B = block_size;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, item_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = std::min<int64_t>(kMaxRows, tile * group);
+    // scaled queries and accumulators [rows, d], one block of keys/values as float [B, d], scores [rows, B]
+    std::unique_ptr<float[]> buf(new float[2 * max_rows * d + 2 * B * d + max_rows * B + 2 * max_rows]);
+    float *qf = buf.get(), *acc = qf + max_rows * d, *kb = acc + max_rows * d, *vb = kb + B * d,
+          *sc = vb + B * d, *m = sc + max_rows * B, *l = m + max_rows;
+    int64_t qpos[kMaxRows];
+    int64_t s = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item_start[s + 1] <= item) ++s;
+      const int64_t local = item - item_start[s];
+      const int64_t ql = query_start[s + 1] - query_start[s];
+      const int64_t tiles = (ql + tile - 1) / tile;
+      const int64_t kvh = local / tiles, t0 = (local % tiles) * tile;
+      const int64_t nq = std::min(tile, ql - t0), rows = nq * group;
+      const int64_t len = seq_lens[s], first_pos = len - ql;
+      // rows are (query token, head in group); queries scaled, in fp32
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t tok = query_start[s] + t0 + i, pos = first_pos + t0 + i;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = i * group + g;
+          load_row(q + tok * q_stride + (kvh * group + g) * d, qf + r * d, d);
+          for (int64_t e = 0; e < d; ++e) qf[r * d + e] *= fscale;
+          qpos[r] = pos;
+          m[r] = kNegBig;
+          l[r] = 0.f;
+          std::fill(acc + r * d, acc + (r + 1) * d, 0.f);
+        }
+        lo = std::min(lo, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+        hi = std::max(hi, pos + 1);
+      }
+      const int32_t* table = tables + s * table_width;
+      for (int64_t j0 = (lo / B) * B; j0 < hi; j0 += B) {  // one KV block at a time
+        const int64_t base = static_cast<int64_t>(table[j0 / B]) * B;
+        const int64_t nk = std::min(B, hi - j0);
+        // the block's keys and values as float rows: in place for fp32, converted once per block otherwise
+        const float *kblk, *vblk;
+        int64_t row_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          kblk = k_cache + base * kv_row + kvh * d;
+          vblk = v_cache + base * kv_row + kvh * d;
+          row_stride = kv_row;
+        } else {
+          for (int64_t j = 0; j < nk; ++j) {
+            load_row(k_cache + (base + j) * kv_row + kvh * d, kb + j * d, d);
+            load_row(v_cache + (base + j) * kv_row + kvh * d, vb + j * d, d);
+          }
+          kblk = kb, vblk = vb, row_stride = d;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          // keys j0 + j visible to this row: (qpos - window, qpos]
+          const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
+          const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
+          if (last <= first) continue;
+          const float* qr = qf + r * d;
+          float* sr = sc + r * B;
+          float mx = m[r];
+          for (int64_t j = first; j < last; ++j) {
+            const float* kj = kblk + j * row_stride;
+            float dot = 0.f;
+            for (int64_t e = 0; e < d; ++e) dot += qr[e] * kj[e];
+            sr[j] = dot;
+            mx = std::max(mx, dot);
+          }
+          const float c = std::exp(m[r] - mx);  // rescale what was accumulated under the old maximum
+          float sum = 0.f;
+          for (int64_t j = first; j < last; ++j) {
+            sr[j] = std::exp(sr[j] - mx);
+            sum += sr[j];
+          }
+          l[r] = l[r] * c + sum;
+          m[r] = mx;
+          float* ar = acc + r * d;
+          for (int64_t e = 0; e < d; ++e) ar[e] *= c;
+          for (int64_t j = first; j < last; ++j) {
+            const float p = sr[j];
+            const float* vj = vblk + j * row_stride;
+            for (int64_t e = 0; e < d; ++e) ar[e] += p * vj[e];
+          }
+        }
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t tok = query_start[s] + t0 + i;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = i * group + g;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          T* o = out + tok * o_stride + (kvh * group + g) * d;
+          for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[r * d + e] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// this step's keys (or values) [T, kvh, d] into their cache slots
+template <typename T>
+void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, int64_t row) {
+  const T* x = src.data_ptr<T>();
+  T* c = cache.data_ptr<T>();
+  const int64_t stride = src.stride(0);
+  for (int64_t t = 0; t < n; ++t) std::memcpy(c + slots[t] * row, x + t * stride, row * sizeof(T));
+}
+
+// q [T, h, d], k/v [T, kvh, d] (this step's; rows of each token dense), caches [blocks, block_size, kvh, d],
+// query_start [S + 1], seq_lens [S], block_tables [S, W] (int32), slot_mapping [T] (int64); returns [T, h * d].
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                               const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t max_query_len,
+                               double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged_attention: q, k, v must be [T, heads, d]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  const int64_t T = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(h % kvh == 0, "paged_attention: heads must be a multiple of kv heads");
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == d && x->scalar_type() == k_cache.scalar_type(),
+                "paged_attention: q, k, v must have dense rows and the cache's dtype");
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              block_tables.scalar_type() == at::kInt && slot_mapping.scalar_type() == at::kLong,
+              "paged_attention: int32 query_start/seq_lens/block_tables and int64 slot_mapping expected");
+  auto qs = query_start.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
+  auto slots = slot_mapping.contiguous();
+  auto out = at::empty({T, h, d}, q.options());
+  const int64_t S = sl.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    write_cache<scalar_t>(k, k_cache, slots.data_ptr<int64_t>(), T, kvh * d);
+    write_cache<scalar_t>(v, v_cache, slots.data_ptr<int64_t>(), T, kvh * d);
+    if (T > 0 && S > 0)
+      attend<scalar_t>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                       v_cache.data_ptr<scalar_t>(), qs.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
+                       bt.data_ptr<int32_t>(), S, bt.size(1), h, kvh, d, bs, scale, window, q.stride(0), h * d);
+  });
+  return out.view({T, h * d});
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
