@@ -15,7 +15,7 @@ from mii import config
 from mii.config import DeploymentType, MIIConfig, ModelConfig, TaskType
 from mii.errors import DeploymentNotFoundError, UnknownArgument
 from mii.pipeline import MIIPipeline, pipeline
-from mii.response import Response
+from mii.response import FinishReason, Response
 
 __version__ = "0.1.0"
 
@@ -50,5 +50,5 @@ if not _log.handlers:
     _log.setLevel(_logging.INFO)
     _log.propagate = False
 
-__all__ = ["pipeline", "MIIPipeline", "Response", "ModelConfig", "MIIConfig", "TaskType", "DeploymentType",
+__all__ = ["pipeline", "MIIPipeline", "Response", "FinishReason", "ModelConfig", "MIIConfig", "TaskType", "DeploymentType",
            "UnknownArgument", "DeploymentNotFoundError", "default_model", "config", "serve", "client"]

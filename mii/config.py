@@ -82,12 +82,21 @@ class ModelConfig(_Config):
     all_rank_output: bool = False
     """Under torchrun: every rank's pipeline call returns rank 0's results (otherwise the other ranks get [])."""
     sync_debug: bool = False
+    """MII's field (synchronize the device after every step, for debugging); only False is supported."""
     profile_model_time: bool = False
+    """MII's field (time each forward and report it as `model_time_taken`); only False is supported."""
     num_threads: Optional[int] = Field(None, ge=1)
     """CPU threads of each engine process (each tensor-parallel rank); the cores divided between the processes
     on this host when unset."""
     seed: int = 0
     """Seed of the sampling noise for requests that do not give their own `seed`."""
+
+    @field_validator("sync_debug", "profile_model_time")
+    @classmethod
+    def _not_implemented(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name}=True is not supported (MII's debugging option; only False)")
+        return v
 
     @field_validator("quantization_mode")
     @classmethod

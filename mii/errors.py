@@ -60,3 +60,26 @@ class ServerOverloadedError(MIIError, RuntimeError):
 
 class TensorParallelError(MIIError, RuntimeError):
     """A tensor-parallel rank failed (died, or could not join its group); the group is down."""
+
+
+def error_info(e: BaseException) -> dict:
+    """A JSON-able description of an exception, enough to raise the same typed mii error in another process
+    (across gRPC, or from a child process's start-up error file)."""
+    info = {"type": type(e).__name__, "message": str(e) if isinstance(e, MIIError) else f"{type(e).__name__}: {e}"}
+    if isinstance(e, ValidationError):
+        info.update(field=e.field, detail=str(e)[len(e.field) + 2:])
+    if isinstance(e, PromptTooLongError):
+        info.update(prompt_length=e.prompt_length, max_context=e.max_context)
+    return info
+
+
+def error_from_info(info: dict) -> Exception:
+    kind = info.get("type")
+    if kind == "PromptTooLongError":
+        return PromptTooLongError(info["prompt_length"], info["max_context"])
+    if "field" in info:
+        return ValidationError(info["field"], info["detail"])
+    cls = globals().get(kind or "")
+    if isinstance(cls, type) and issubclass(cls, MIIError):
+        return cls(info["message"])
+    return MIIError(info["message"])

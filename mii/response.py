@@ -1,8 +1,21 @@
-"""`Response`: one prompt's generated text and counts (MII's fields), plus optional token ids and logprobs."""
+"""`Response`: one prompt's generated text and counts (MII's fields), plus optional token ids and logprobs, and its
+`FinishReason`."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended; a `str`, so it compares equal to (and serializes as) MII's strings."""
+
+    STOP = "stop"
+    """EOS, a stop token id or a stop string."""
+    LENGTH = "length"
+    """max_new_tokens, max_length, or the end of the context / KV cache."""
+    NONE = "none"
+    """Not finished: an intermediate stream chunk."""
 
 
 @dataclass
@@ -10,8 +23,8 @@ class Response:
     generated_text: str
     prompt_length: int
     generated_length: int
-    finish_reason: str
-    """"stop" (EOS, a stop id or a stop string), "length", or "none" on intermediate stream chunks."""
+    finish_reason: FinishReason
+    """`stop`, `length`, or `none` on intermediate stream chunks (equal to those strings)."""
     token_ids: Optional[list[int]] = field(default=None, compare=False)
     logprobs: Optional[list[dict]] = field(default=None, compare=False)
     """Per generated token: {"token_id", "logprob", "top_logprobs": {token id: logprob}}."""
@@ -21,5 +34,5 @@ class Response:
 
     def to_msg_dict(self) -> dict:
         return {"generated_text": self.generated_text, "prompt_length": self.prompt_length,
-                "generated_length": self.generated_length, "finish_reason": self.finish_reason,
+                "generated_length": self.generated_length, "finish_reason": str(self.finish_reason),
                 "token_ids": self.token_ids, "logprobs": self.logprobs}

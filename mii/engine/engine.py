@@ -1,7 +1,8 @@
 """The engine loop: requests in, one scheduled forward per `step()`, incremental outputs back.
 
-Narrow API (after DeepSpeed inference v2): `add_request`, `step`, `abort`, `has_unfinished`. The engine owns the
-scheduler (pure Python), the model runner (tensors) and one detokenizer per request.
+Narrow API (after DeepSpeed inference v2): `add_requests`, `step`, `abort`, `has_unfinished`. The engine owns the
+scheduler (pure Python), the model runner (tensors) and one detokenizer per request. It admits `EngineRequest`s
+that `mii.engine.requests` validated against its `limits`, and checks nothing of them again.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from mii.config import ModelConfig
 from mii.engine.detokenizer import Detokenizer
 from mii.engine.kv_cache import KVCacheManager
 from mii.engine.model_runner import ModelRunner
-from mii.engine.params import GenerationParams
 from mii.engine.plan import EnginePlan, plan_device, plan_memory
+from mii.engine.requests import EngineRequest, RequestLimits
 from mii.engine.scheduler import Scheduler
 from mii.engine.sequence import Sequence
-from mii.errors import KVCacheError, PromptTooLongError, ValidationError
+from mii.errors import KVCacheError
+from mii.response import FinishReason
 
 log = logging.getLogger("mii")
 
@@ -36,7 +38,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str  # "none" while running, then "stop" | "length" | "abort"
+    finish_reason: FinishReason  # NONE while running, then STOP or LENGTH
     prompt_length: int
     generated_length: int
     logprobs: list = field(default_factory=list)
@@ -90,41 +92,26 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------------------------
 
-    def max_total(self, prompt_len: int, p: GenerationParams) -> int:
-        """Validate lengths; return the sequence length at which the request ends with "length"."""
-        ctx = self.plan.max_context
-        if prompt_len == 0:
-            raise ValidationError("prompt", "must not be empty")
-        if prompt_len >= ctx:
-            raise PromptTooLongError(prompt_len, ctx)
-        limit = ctx
-        if p.max_length is not None:
-            if prompt_len >= p.max_length:
-                raise ValidationError("max_length", f"{p.max_length} leaves no room after a {prompt_len}-token prompt")
-            limit = min(limit, p.max_length)
-        if p.max_new_tokens is not None:
-            limit = min(limit, prompt_len + p.max_new_tokens)
-        elif p.max_length is None:
-            limit = min(limit, max(self.default_max_length, prompt_len + 1))
-        if limit > self.kv.capacity_tokens:
-            limit_cap = self.kv.capacity_tokens
-            if prompt_len >= limit_cap:
-                raise KVCacheError(f"the prompt has {prompt_len} tokens; the KV cache holds only {limit_cap}")
-            limit = limit_cap
-        return limit
+    @property
+    def limits(self) -> RequestLimits:
+        """What this engine can take; `mii.engine.requests.InputProcessor` checks every request against it."""
+        return RequestLimits(self.plan.max_context, self.default_max_length, self.kv.capacity_tokens,
+                             self.loaded.cfg.vocab_size)
 
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> int:
-        if len(self.scheduler) >= self.max_tracked:
-            raise KVCacheError(f"max_tracked_sequences={self.max_tracked} requests are already in the engine")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.loaded.cfg.vocab_size)]
-        if bad:
-            raise ValidationError("prompt", f"token id {bad[0]!r} is outside the vocabulary (0..{self.loaded.cfg.vocab_size - 1})")
-        uid = next(self._uids)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(uid, list(prompt_ids), self.max_total(len(prompt_ids), params), params, seed)
-        self.requests[uid] = _Request(seq, Detokenizer(self.tokenizer, seq.prompt_ids, params.stop))
-        self.scheduler.add(seq)
-        return uid
+    def add_requests(self, requests: list[EngineRequest]) -> list[int]:
+        """Admit all of `requests` (validated by `InputProcessor`) or none; their uids, in order."""
+        if len(self.scheduler) + len(requests) > self.max_tracked:
+            raise KVCacheError(f"max_tracked_sequences={self.max_tracked}: {len(self.scheduler)} sequences are in "
+                               f"the engine, {len(requests)} more do not fit")
+        uids = []
+        for r in requests:
+            uid = next(self._uids)
+            seed = r.params.seed if r.params.seed is not None else self._seed_rng.getrandbits(63)
+            seq = Sequence(uid, list(r.prompt_ids), r.max_total, r.params, seed)
+            self.requests[uid] = _Request(seq, Detokenizer(self.tokenizer, seq.prompt_ids, r.params.stop))
+            self.scheduler.add(seq)
+            uids.append(uid)
+        return uids
 
     def abort(self, uid: int) -> None:
         req = self.requests.pop(uid, None)
@@ -159,13 +146,13 @@ class Engine:
             n = seq.num_generated
             may_stop = n > p.min_new_tokens  # EOS and stop ids are masked before that in sampling
             if may_stop and ((token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
-                reason, text = "stop", req.detok.flush()  # the EOS token itself is not part of the text
+                reason, text = FinishReason.STOP, req.detok.flush()  # the EOS token itself is not part of the text
             else:
-                reason = "length" if seq.num_tokens >= seq.max_total else "none"
-                text = req.detok.add(token, final=reason == "length", check_stop=may_stop)
+                reason = FinishReason.LENGTH if seq.num_tokens >= seq.max_total else FinishReason.NONE
+                text = req.detok.add(token, final=reason is FinishReason.LENGTH, check_stop=may_stop)
                 if req.detok.stopped:
-                    reason = "stop"
-            final = reason != "none"
+                    reason = FinishReason.STOP
+            final = reason is not FinishReason.NONE
             lp = []
             if s.logprobs is not None and p.logprobs is not None:
                 top = {}

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from mii.children import read_error, spawn, wait_or_kill
 from mii.envs import ranks_on_this_host, torchrun_env
 from mii.errors import MIIError, TensorParallelError, ValidationError
 from mii.parallel.state import set_tp
@@ -185,13 +184,7 @@ class TPGroup:
         elif self.rank == 0 and self.failed is None and not was_closing:
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([Shutdown()], src=0, group=self.control)
-        deadline = time.monotonic() + 10
-        for p in self.workers:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        wait_or_kill(self.workers, 10)
         self.workers = []
         if self.control is not None:
             with contextlib.suppress(Exception):
@@ -277,10 +270,7 @@ def _spawn(model_config, device: str) -> TPGroup:
     for r in range(1, n):
         spec = dict(model_config=model_config.model_dump(mode="json"), rank=r, size=n, port=port, device=device,
                     error_file=str(tmp / f"rank{r}.error"))
-        proc = subprocess.Popen([sys.executable, "-m", "mii.parallel.worker"], stdin=subprocess.PIPE, env=env)
-        proc.stdin.write(json.dumps(spec).encode())
-        proc.stdin.close()
-        workers.append(proc)
+        workers.append(spawn("mii.parallel.worker", spec, env=env))
     try:
         pending = set(range(1, n))
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -315,9 +305,9 @@ def _spawn(model_config, device: str) -> TPGroup:
 def _worker_error(workers, tmp: Path, rank: int) -> str:
     proc = workers[rank - 1]
     why = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
-    err = tmp / f"rank{rank}.error" if tmp is not None else None
-    if err is not None and err.is_file():
-        why += ": " + err.read_text(errors="replace").strip().splitlines()[-1]
+    error = read_error(tmp / f"rank{rank}.error") if tmp is not None else None
+    if error is not None:
+        why += f": {error}"
     return why
 
 

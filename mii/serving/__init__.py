@@ -4,7 +4,7 @@ is an engine process (`replica.py`) whose engine loop runs in its own thread and
 (`balancer.py`: least outstanding requests, dead replicas out of rotation) as the same gRPC service on
 `port_number` and, when asked, the HTTP gateway (`gateway.py`, FastAPI: MII's REST route, the OpenAI-compatible
 API in `openai_api.py`, health, Prometheus `metrics.py`, tokenize) in the same event loop. A small record per
-deployment (`registry.py`) lets `MIIClient` (`client.py`) find it from any process; `launch.py` starts one.
+deployment (`records.py`) lets `MIIClient` (`client.py`) find it from any process; `launch.py` starts one.
 """
 from mii.serving.client import MIIClient, client
 from mii.serving.launch import serve

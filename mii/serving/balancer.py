@@ -1,5 +1,5 @@
 """The load balancer of a deployment's front process: routes each request to the live replica with the fewest
-outstanding sequences (ties in turn), forwards it over gRPC as a stream, retries on another replica when one
+outstanding sequences (prompts × n; ties in turn), forwards it over gRPC as a stream, retries on another replica when one
 died before answering, and takes dead replicas out of rotation. `BalancerServicer` exposes it as MII's gRPC
 service; the HTTP gateway calls `LoadBalancer.stream` / `generate` directly, in the same event loop.
 
@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
@@ -19,7 +20,10 @@ from google.protobuf import empty_pb2
 
 from mii.errors import DeploymentUnavailableError, MIIError
 from mii.serving.metrics import Metrics
-from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, error_status, merge, pb2, pb2_grpc
+from mii.engine.outputs import ResponseJoiner
+from mii.response import Response
+from mii.serving.protocol import (CHANNEL_OPTIONS, error_from_rpc, error_status, from_multi_reply, num_sequences, pb2,
+                                  pb2_grpc, to_multi_reply)
 
 log = logging.getLogger("mii")
 
@@ -77,7 +81,7 @@ class LoadBalancer:
 
     async def stream(self, request) -> AsyncIterator:
         """Forward one request; yield the replica's `MultiGenerationReply` chunks. Raises typed mii errors."""
-        weight = max(1, len(request.request) or len(request.prompts))
+        weight = num_sequences(request)
         tried: list[Replica] = []
         while True:
             replica = self.pick(exclude=tried)
@@ -106,12 +110,12 @@ class LoadBalancer:
                 if not finished:
                     call.cancel()
 
-    async def generate(self, request):
-        """Forward one request; the whole `MultiGenerationReply` (chunks merged)."""
-        merged = None
+    async def generate(self, request) -> list[Response]:
+        """Forward one request; the whole responses (its streamed chunks joined)."""
+        joined = ResponseJoiner()
         async for reply in self.stream(request):
-            merged = merge(merged, reply)
-        return merged
+            joined.add(from_multi_reply(reply))
+        return joined.responses()
 
     async def _answers(self, replica: Replica) -> bool:
         try:
@@ -161,8 +165,9 @@ class BalancerServicer(pb2_grpc.ModelResponseServicer):
             await stream.aclose()
 
     async def GeneratorReply(self, request, context):
+        start = time.perf_counter()
         try:
-            return await self.lb.generate(request)
+            return to_multi_reply(await self.lb.generate(request), time.perf_counter() - start)
         except MIIError as e:
             await context.abort(*error_status(e))
 

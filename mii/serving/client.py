@@ -14,9 +14,10 @@ from google.protobuf import empty_pb2
 from mii.config import MIIConfig
 from mii.errors import DeploymentNotFoundError, ValidationError
 from mii.response import Response
-from mii.serving import registry
-from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_reply, make_request, merge, pb2_grpc
-
+from mii.serving import records
+from mii.engine.outputs import ResponseJoiner
+from mii.engine.requests import normalize_prompts
+from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_multi_reply, make_request, pb2_grpc
 
 
 class MIIClient:
@@ -45,10 +46,8 @@ class MIIClient:
 
     @staticmethod
     def _request(prompts, kwargs):
-        from mii.pipeline import normalize_prompts, per_prompt_params
-
+        """The wire request; the generation arguments are validated once, by the replica (typed errors come back)."""
         plist, single = normalize_prompts(prompts)
-        per_prompt_params(kwargs, len(plist))  # unknown or invalid arguments fail here, typed, before sending
         return make_request(plist, kwargs), single
 
     def generate(self, prompts, streaming_fn: Optional[Callable[[list[Response]], None]] = None,
@@ -59,16 +58,17 @@ class MIIClient:
         stub = self._stub_sync()
         try:
             if streaming_fn is None:
-                return [from_reply(r) for r in stub.GeneratorReply(request).response]
+                return from_multi_reply(stub.GeneratorReply(request))
             call = stub.GeneratorReplyStream(request)
-            merged = None
+            joined = ResponseJoiner()
             try:
-                for chunk in call:
-                    streaming_fn([from_reply(r) for r in chunk.response])
-                    merged = merge(merged, chunk)
+                for reply in call:
+                    chunk = from_multi_reply(reply)
+                    streaming_fn(chunk)
+                    joined.add(chunk)
             finally:
                 call.cancel()
-            return [from_reply(r) for r in merged.response] if merged is not None else []
+            return joined.responses()
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
@@ -83,32 +83,29 @@ class MIIClient:
                     reply = await pb2_grpc.ModelResponseStub(channel).GeneratorReply(request)
                 except grpc.aio.AioRpcError as e:
                     raise error_from_rpc(e) from None
-            return [from_reply(r) for r in reply.response]
-        final = None
-        async for chunk in self._astream(prompts, kwargs):
-            result = streaming_fn(chunk[0])
+            return from_multi_reply(reply)
+        joined = ResponseJoiner()
+        async for chunk in self._astream(self._request(prompts, kwargs)[0]):
+            result = streaming_fn(chunk)
             if inspect.isawaitable(result):
                 await result
-            final = chunk[1]
-        return [from_reply(r) for r in final.response] if final is not None else []
+            joined.add(chunk)
+        return joined.responses()
 
     async def astream(self, prompts, **kwargs) -> AsyncIterator[Union[Response, list[Response]]]:
         """Yield chunks as they are generated: a `Response` per chunk for a single prompt, else a
         `list[Response]` (one per sequence, empty text when it had nothing new). Closing it early cancels the
         request on the server (its sequences are aborted)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        async for chunk, _ in self._astream(prompts, kwargs):
+        request, single = self._request(prompts, kwargs)
+        async for chunk in self._astream(request):
             yield chunk[0] if single and len(chunk) == 1 else chunk
 
-    async def _astream(self, prompts, kwargs):
-        request, _ = self._request(prompts, kwargs)
+    async def _astream(self, request):
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             call = pb2_grpc.ModelResponseStub(channel).GeneratorReplyStream(request)
-            merged = None
             try:
-                async for chunk in call:
-                    merged = merge(merged, chunk)
-                    yield [from_reply(r) for r in chunk.response], merged
+                async for reply in call:
+                    yield from_multi_reply(reply)
             except grpc.aio.AioRpcError as e:
                 raise error_from_rpc(e) from None
             finally:
@@ -136,14 +133,14 @@ class MIIClient:
                 self._process.wait(timeout=timeout)
             except Exception:
                 pass
-        while any(registry.pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(records.pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         for pid in pids:  # still there: the deployment hangs; kill what is verifiably ours
-            if registry.pid_alive(pid) and _is_mii_process(pid):
+            if records.pid_alive(pid) and _is_mii_process(pid):
                 os.kill(pid, signal.SIGKILL)
         if self._process is not None and self._process.poll() is None:
             self._process.wait(timeout=5)
-        registry.remove(self.deployment_name, self.record["pid"])
+        records.remove(self.deployment_name, self.record["pid"])
         self.close()
 
     def close(self) -> None:
@@ -162,16 +159,14 @@ def _is_mii_process(pid: int) -> bool:
 
 def client(deployment_name_or_model: str) -> MIIClient:
     """The running deployment named so (or `<model basename>-mii-deployment`); `DeploymentNotFoundError` if none."""
-    from mii.serving.deployment import default_deployment_name
-
     name = str(deployment_name_or_model)
-    for candidate in (name, default_deployment_name(name)):
+    for candidate in (name, records.default_deployment_name(name)):
         try:
-            record = registry.read(candidate)
+            record = records.read(candidate)
         except ValidationError:
             continue
         if record is not None:
             return MIIClient(record)
-    running = ", ".join(registry.list_names()) or "none"
+    running = ", ".join(records.list_names()) or "none"
     raise DeploymentNotFoundError(f"no running deployment named {name!r} on this host (running: {running}); "
                                   "start one with mii.serve(...) or `mii serve`")

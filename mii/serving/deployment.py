@@ -20,20 +20,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mii.children import child_main, read_error, spawn, wait_or_kill
 from mii.config import MIIConfig
 from mii.errors import MIIError, ValidationError
-from mii.serving import registry
+from mii.serving import records
 from mii.serving.balancer import BalancerServicer, LoadBalancer, Replica
 from mii.serving.gateway import ServedModel, build_app
 from mii.serving.metrics import Metrics
-from mii.serving.protocol import CHANNEL_OPTIONS, error_from_info, error_info, pb2, pb2_grpc
+from mii.serving.protocol import CHANNEL_OPTIONS, pb2, pb2_grpc
 
 log = logging.getLogger("mii")
 _SERVICE = pb2.DESCRIPTOR.services_by_name["ModelResponse"].full_name
@@ -47,13 +47,6 @@ def bind_host(host: str) -> str:
 def connect_host(host: str) -> str:
     """Where a client on this host connects to a server bound to `host`."""
     return "127.0.0.1" if host in ("localhost", "", "0.0.0.0", "::", "[::]") else host
-
-
-def default_deployment_name(model_name_or_path: str) -> str:
-    base = os.path.basename(str(model_name_or_path).rstrip("/")) or "SmolLM2-135M-Instruct"
-    if base.endswith(".gguf"):
-        base = base[: -len(".gguf")]
-    return f"{base}-mii-deployment"
 
 
 def replica_threads(cfg: MIIConfig) -> int:
@@ -100,9 +93,9 @@ class Deployment:
         self.record = dict(
             name=self.name, pid=os.getpid(), state="starting", host=connect_host(self.cfg.restful_api_host),
             port=self.cfg.port_number, http_port=self.cfg.restful_api_port if self.cfg.enable_restful_api else None,
-            model=mc.model_name_or_path, log=str(registry.log_path(self.name)), started=time.time(), replicas=[],
+            model=mc.model_name_or_path, log=str(records.log_path(self.name)), started=time.time(), replicas=[],
             mii_config=self.cfg.model_dump(mode="json", by_alias=True, exclude={"api_key"}))
-        registry.claim(self.record)
+        records.claim(self.record)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
@@ -112,7 +105,7 @@ class Deployment:
             log.info("deployment %r stopping", self.name)
         finally:
             await self._shutdown()
-            registry.remove(self.name, os.getpid())
+            records.remove(self.name, os.getpid())
 
     async def _start(self) -> None:
         cfg = self.cfg
@@ -137,7 +130,7 @@ class Deployment:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.record.update(state="ready", replicas=[
             {"index": r.index, "pid": r.process.pid, "address": r.address} for r in self.lb.replicas])
-        registry.write(self.record)
+        records.write(self.record)
         asyncio.create_task(self._monitor())
         http = ""
         if cfg.enable_restful_api:
@@ -162,10 +155,7 @@ class Deployment:
                         log_level=log.getEffectiveLevel(),
                         ready_file=str(self._tmp / f"replica{i}.ready"), error_file=str(self._tmp / f"replica{i}.error"))
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
-            proc = subprocess.Popen([sys.executable, "-m", "mii.serving.replica"], stdin=subprocess.PIPE, env=env,
-                                    start_new_session=True)
-            proc.stdin.write(json.dumps(spec).encode())
-            proc.stdin.close()
+            proc = spawn("mii.serving.replica", spec, env=env, start_new_session=True)
             self.processes.append(proc)
             waiting[i] = (proc, spec)
         log.info("deployment %r: %d replica(s) of %s loading, %d thread(s) each", self.name, mc.replica_num,
@@ -178,9 +168,9 @@ class Deployment:
                     self.lb.add(Replica(i, f"127.0.0.1:{port}", proc))
                     del waiting[i]
                 elif proc.poll() is not None:
-                    err = Path(spec["error_file"])
-                    if err.is_file():
-                        raise error_from_info(json.loads(err.read_text()))
+                    error = read_error(spec["error_file"])
+                    if error is not None:
+                        raise error
                     raise MIIError(f"replica {i} exited with code {proc.returncode} while loading "
                                    f"(see {self.record['log']})")
             if self.stop_event.is_set():
@@ -217,13 +207,7 @@ class Deployment:
         for p in self.processes:
             if p.poll() is None:
                 p.terminate()
-        deadline = time.monotonic() + 5
-        for p in self.processes:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        wait_or_kill(self.processes, 5)
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
         with contextlib.suppress(Exception):
@@ -262,26 +246,16 @@ def run(cfg: MIIConfig, announce: Callable[[str], None] = print) -> None:
     asyncio.run(main())
 
 
-def main() -> int:
-    """Entry of the detached front process started by `mii.serve`: spec JSON on stdin."""
-    spec = json.loads(sys.stdin.read())
-    try:
-        import torch
+def _run_detached(spec: dict) -> None:
+    import torch
 
-        torch.set_num_threads(1)  # the front process does no tensor work
-        cfg = MIIConfig.model_validate(spec["mii_config"])
-        run(cfg, announce=lambda line: log.info("%s", line))
-    except BaseException as e:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            return 0
-        if not isinstance(e, MIIError):
-            log.error("deployment failed:\n%s", traceback.format_exc())
-        else:
-            log.error("deployment failed: %s", e)
-        if spec.get("error_file"):
-            Path(spec["error_file"]).write_text(json.dumps(error_info(e)))
-        return 1
-    return 0
+    torch.set_num_threads(1)  # the front process does no tensor work
+    run(MIIConfig.model_validate(spec["mii_config"]), announce=lambda line: log.info("%s", line))
+
+
+def main() -> int:
+    """Entry of the detached front process started by `mii.serve` (spec on stdin; it outlives its parent)."""
+    return child_main(_run_detached, "deployment", watch_parent=False)
 
 
 if __name__ == "__main__":

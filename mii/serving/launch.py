@@ -1,18 +1,17 @@
 """`mii.serve`: start a persistent deployment as separate processes and return a client once it answers."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from mii.children import read_error, spawn
 from mii.config import MIIConfig, ModelConfig, build_config, split_kwargs
 from mii.errors import DeploymentExistsError, MIIError, UnknownArgument, ValidationError
-from mii.serving import registry
+from mii.serving import records
 from mii.serving.client import MIIClient
 
 
@@ -38,10 +37,8 @@ def build_mii_config(model_name_or_path: Optional[str] = None, model_config=None
         mc["model_name_or_path"] = str(model_name_or_path)
     cfg = build_config(MIIConfig, given, **mii_kw, model_config=build_config(ModelConfig, mc))
     if not cfg.deployment_name:
-        from mii.serving.deployment import default_deployment_name
-
-        cfg.deployment_name = default_deployment_name(cfg.model_config_.model_name_or_path)
-    registry.check_name(cfg.deployment_name)
+        cfg.deployment_name = records.default_deployment_name(cfg.model_config_.model_name_or_path)
+    records.check_name(cfg.deployment_name)
     return cfg
 
 
@@ -50,22 +47,20 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
     per replica) that outlives this process; returns its `MIIClient` once every replica is serving."""
     cfg = build_mii_config(model_name_or_path, model_config, mii_config, **kwargs)
     name = cfg.deployment_name
-    existing = registry.read(name)
+    existing = records.read(name)
     if existing is not None:
         raise DeploymentExistsError(f"a deployment named {name!r} is already running (pid {existing['pid']}); "
                                     f"stop it with mii.client({name!r}).terminate_server() or pick another "
                                     "deployment_name")
-    log_file = registry.log_path(name)
+    log_file = records.log_path(name)
     fd, error_file = tempfile.mkstemp(prefix=f"mii-{name}-", suffix=".error")
     os.close(fd)
     os.unlink(error_file)
     spec = {"mii_config": cfg.model_dump(mode="json", by_alias=True), "error_file": error_file}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mii.serving.deployment"], stdin=subprocess.PIPE,
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    proc.stdin.write(json.dumps(spec).encode())
-    proc.stdin.close()
+        proc = spawn("mii.serving.deployment", spec, stdout=log, stderr=subprocess.STDOUT, env=env,
+                     start_new_session=True)
     try:
         record = _wait_ready(name, proc, Path(error_file), log_file)
     except BaseException:
@@ -85,15 +80,14 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
 
 
 def _wait_ready(name: str, proc: subprocess.Popen, error_file: Path, log_file: Path) -> dict:
-    from mii.serving.protocol import error_from_info
-
     while True:
-        record = registry.read(name)
+        record = records.read(name)
         if record is not None and record.get("pid") == proc.pid and record.get("state") == "ready":
             return record
         if proc.poll() is not None:
-            if error_file.is_file():
-                raise error_from_info(json.loads(error_file.read_text()))
+            error = read_error(error_file)
+            if error is not None:
+                raise error
             tail = log_file.read_text(errors="replace").splitlines()[-20:]
             raise MIIError(f"deployment {name!r} exited with code {proc.returncode} while starting; "
                            f"log {log_file}:\n" + "\n".join(tail))

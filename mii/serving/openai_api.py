@@ -4,6 +4,9 @@
 OpenAI's defaults apply here (temperature 1, top_p 1, max_tokens = the rest of the context), not MII's.
 Fields that OpenAI clients send as extras (vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`) are honoured; other unknown fields are ignored, as vLLM does.
+
+A request is translated here (OpenAI's fields → generation keyword arguments; chat messages → text through the
+template) and validated once, by the replica; its typed errors come back renamed to this API's field names.
 """
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticError
 
 from mii import errors
-from mii.engine.params import GenerationParams
+from mii.response import FinishReason, Response
 from mii.serving.balancer import LoadBalancer
-from mii.serving.gateway import (APIError, ServedModel, require_ready, api_error, check_model, read_json,
-                                 until_disconnect)
-from mii.serving.protocol import make_request
+from mii.serving.http import (APIError, ServedModel, api_error, check_model, read_json, render_chat, require_ready,
+                              until_disconnect)
+from mii.serving.protocol import from_multi_reply, make_request
 
 # engine parameter → the name this API gives it (for error messages)
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "logprobs": "logprobs",
@@ -97,39 +100,19 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True) -> str:
-    tok = model.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages: a non-empty list of {role, content} objects is required", param="messages")
-    flat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise APIError(400, f"messages[{i}]: must be an object with a role", param=f"messages[{i}]")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        flat.append({**m, "content": content or ""})
-    try:
-        return tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
-        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-
-
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _finish(reason: str) -> Optional[str]:
-    return None if reason in ("", "none") else ("length" if reason == "length" else "stop")
+def _finish(reason: FinishReason) -> Optional[str]:
+    return None if reason is FinishReason.NONE else str(reason)
 
 
-class _Job:
+class OpenAICall:
     """One OpenAI request turned into a gRPC request: prompts × n sequences, in choice order."""
 
-    def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str]):
+    def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str], chat: bool = False):
         self.model, self.req, self.n = model, req, req.n
         kwargs = req.engine_kwargs(model.max_context)
         if isinstance(req, ChatRequest):
@@ -139,46 +122,42 @@ class _Job:
         if lp is not None:
             kwargs["logprobs"] = lp
         self.want_logprobs = lp is not None
-        try:
-            GenerationParams.from_kwargs(kwargs)
-        except errors.MIIError as e:
-            raise api_error(e, _RENAMES) from None
-        self.grpc_request = make_request(prompts, kwargs)
+        self.grpc_request = make_request(prompts, kwargs, chat=chat)
         self.echo = echo
         self.num_prompts = len(prompts)
         self.id = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def usage(self, replies) -> dict:
-        prompt = sum(r.prompt_tokens for i, r in enumerate(replies) if i % self.n == 0)
-        return _usage(prompt, sum(r.generated_tokens for r in replies))
+    def usage(self, responses: list[Response]) -> dict:
+        prompt = sum(r.prompt_length for i, r in enumerate(responses) if i % self.n == 0)
+        return _usage(prompt, sum(r.generated_length for r in responses))
 
     def token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])
 
 
-def _completion_logprobs(job: _Job, reply, offset: int) -> dict:
+def _completion_logprobs(job: OpenAICall, r: Response, offset: int) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
-    for x in reply.logprobs:
-        text = job.token_text(x.token_id)
+    for x in r.logprobs:
+        text = job.token_text(x["token_id"])
         tokens.append(text)
-        lps.append(x.logprob)
-        top = sorted(x.top_logprobs.items(), key=lambda kv: -kv[1])
+        lps.append(x["logprob"])
+        top = sorted(x["top_logprobs"].items(), key=lambda kv: -kv[1])
         tops.append({job.token_text(t): v for t, v in top} if top else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(job: _Job, reply) -> dict:
+def _chat_logprobs(job: OpenAICall, r: Response) -> dict:
     def entry(token_id, logprob):
         text = job.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     content = []
-    for x in reply.logprobs:
-        e = entry(x.token_id, x.logprob)
-        e["top_logprobs"] = [entry(t, v) for t, v in sorted(x.top_logprobs.items(), key=lambda kv: -kv[1])]
+    for x in r.logprobs:
+        e = entry(x["token_id"], x["logprob"])
+        e["top_logprobs"] = [entry(t, v) for t, v in sorted(x["top_logprobs"].items(), key=lambda kv: -kv[1])]
         content.append(e)
     return {"content": content}
 
@@ -198,14 +177,20 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _first_chunk(lb: LoadBalancer, job: _Job):
+async def _generate(request: Request, lb: LoadBalancer, job: OpenAICall) -> list[Response]:
+    """The whole responses of a non-streamed call (cancelled if the client goes away), errors in this API's shape."""
+    try:
+        return await until_disconnect(request, lb.generate(job.grpc_request))
+    except errors.MIIError as e:
+        raise api_error(e, _RENAMES) from None
+
+
+async def _first_chunk(lb: LoadBalancer, job: OpenAICall):
     """Start the stream and wait for its first chunk, so errors (queue full, prompt too long) get their HTTP
     status before any byte of the 200 stream is sent."""
     stream = lb.stream(job.grpc_request)
     try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
-        first = None
+        first = await _next(stream)
     except errors.MIIError as e:
         await stream.aclose()
         raise api_error(e, _RENAMES) from None
@@ -234,22 +219,19 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
         if not prompts:
             raise APIError(400, "prompt: must not be empty", param="prompt")
         echo = [(p if isinstance(p, str) else model.tokenizer.decode(p)) if req.echo else "" for p in prompts]
-        job = _Job(model, req, list(prompts), echo)
+        job = OpenAICall(model, req, list(prompts), echo)
         if req.stream:
             return await _stream_completions(lb, job, req)
-        try:
-            reply = await until_disconnect(request, lb.generate(job.grpc_request))
-        except errors.MIIError as e:
-            raise api_error(e, _RENAMES) from None
+        responses = await _generate(request, lb, job)
         choices = []
-        for i, r in enumerate(reply.response):
+        for i, r in enumerate(responses):
             prefix = job.echo[i // job.n]
-            choices.append({"index": i, "text": prefix + r.response, "finish_reason": _finish(r.finish_reason),
+            choices.append({"index": i, "text": prefix + r.generated_text, "finish_reason": _finish(r.finish_reason),
                             "logprobs": _completion_logprobs(job, r, len(prefix)) if job.want_logprobs else None})
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
-                "choices": choices, "usage": job.usage(reply.response)}
+                "choices": choices, "usage": job.usage(responses)}
 
-    async def _stream_completions(lb, job: _Job, req: CompletionRequest):
+    async def _stream_completions(lb, job: OpenAICall, req: CompletionRequest):
         stream, first = await _first_chunk(lb, job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         offsets = [len(e) for e in job.echo for _ in range(job.n)]
@@ -258,18 +240,18 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
 
         def choice_event(i, r, finish):
             lp = _completion_logprobs(job, r, offsets[i]) if job.want_logprobs else None
-            offsets[i] += len(r.response)
-            return _completion_chunk(job, i, r.response, finish, lp)
+            offsets[i] += len(r.generated_text)
+            return _completion_chunk(job, i, r.generated_text, finish, lp)
 
         def usage_event(last):
             if include_usage:
                 return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
-                        "choices": [], "usage": job.usage(last.response)}
+                        "choices": [], "usage": job.usage(last)}
 
         events = _sse_events(stream, first, head, choice_event, usage_event)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _completion_chunk(job: _Job, i: int, text: str, finish, lp) -> dict:
+    def _completion_chunk(job: OpenAICall, i: int, text: str, finish, lp) -> dict:
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
                 "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
@@ -279,21 +261,17 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
         require_ready(model)
         check_model(model, req.model)
         text = render_chat(model, req.messages, req.add_generation_prompt)
-        ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template has its special tokens
-        job = _Job(model, req, [ids], [""])
+        job = OpenAICall(model, req, [text], [""], chat=True)  # the replica tokenizes it, adding no special tokens
         if req.stream:
             return await _stream_chat(lb, job, req)
-        try:
-            reply = await until_disconnect(request, lb.generate(job.grpc_request))
-        except errors.MIIError as e:
-            raise api_error(e, _RENAMES) from None
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.response},
+        responses = await _generate(request, lb, job)
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.generated_text},
                     "logprobs": _chat_logprobs(job, r) if job.want_logprobs else None,
-                    "finish_reason": _finish(r.finish_reason)} for i, r in enumerate(reply.response)]
+                    "finish_reason": _finish(r.finish_reason)} for i, r in enumerate(responses)]
         return {"id": job.id, "object": "chat.completion", "created": job.created, "model": model.name,
-                "choices": choices, "usage": job.usage(reply.response)}
+                "choices": choices, "usage": job.usage(responses)}
 
-    async def _stream_chat(lb, job: _Job, req: ChatRequest):
+    async def _stream_chat(lb, job: OpenAICall, req: ChatRequest):
         stream, first = await _first_chunk(lb, job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -308,12 +286,12 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
                            "finish_reason": None} for i in range(job.n)])]
 
         def choice_event(i, r, finish):
-            delta = {"content": r.response} if r.response else {}
+            delta = {"content": r.generated_text} if r.generated_text else {}
             lp = _chat_logprobs(job, r) if job.want_logprobs else None
             return chunk_of([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
 
         def usage_event(last):
-            return chunk_of([], job.usage(last.response)) if include_usage else None
+            return chunk_of([], job.usage(last)) if include_usage else None
 
         events = _sse_events(stream, first, head, choice_event, usage_event)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -321,7 +299,7 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
 
 async def _sse_events(stream, first, head: list, choice_event, usage_event):
     """The SSE body shared by completions and chat: `head` events, then one event per choice with news in each
-    chunk (`choice_event(index, reply, finish_reason)`), the usage event if any, errors in OpenAI's shape, and
+    chunk (`choice_event(index, response, finish_reason)`), the usage event if any, errors in OpenAI's shape, and
     `data: [DONE]`; the upstream stream is closed whatever happens (which cancels it if the client left)."""
     last, done = None, set()
     try:
@@ -330,9 +308,9 @@ async def _sse_events(stream, first, head: list, choice_event, usage_event):
         chunk = first
         while chunk is not None:
             last = chunk
-            for i, r in enumerate(chunk.response):
+            for i, r in enumerate(chunk):
                 finish = _finish(r.finish_reason)
-                if i in done or (not r.response and not r.token_ids and finish is None):
+                if i in done or (not r.generated_text and not r.token_ids and finish is None):
                     continue
                 yield _sse(choice_event(i, r, finish))
                 if finish:
@@ -348,8 +326,8 @@ async def _sse_events(stream, first, head: list, choice_event, usage_event):
     yield "data: [DONE]\n\n"
 
 
-async def _next(stream):
+async def _next(stream) -> Optional[list[Response]]:
     try:
-        return await stream.__anext__()
+        return from_multi_reply(await stream.__anext__())
     except StopAsyncIteration:
         return None

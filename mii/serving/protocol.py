@@ -21,7 +21,8 @@ import grpc
 
 from mii import errors
 from mii.envs import cache_dir
-from mii.response import Response
+from mii.errors import error_from_info, error_info
+from mii.response import FinishReason, Response
 
 PROTO = Path(__file__).with_name("proto") / "modelresponse.proto"
 SERVICE = "modelresponse.ModelResponse"
@@ -100,21 +101,37 @@ def from_value(v) -> Any:
     return getattr(v, kind)
 
 
-def make_request(prompts: list, kwargs: dict):
-    """A `MultiStringRequest`: MII's `request` field when every prompt is text, else mii's `prompts`."""
+def make_request(prompts: list, kwargs: dict, chat: bool = False):
+    """A `MultiStringRequest`: MII's `request` field when every prompt is text, else mii's `prompts`. `chat`: the
+    text prompts were rendered by the chat template (their special tokens are in them)."""
     kw = {k: to_value(v) for k, v in kwargs.items()}
     if all(isinstance(p, str) for p in prompts):
-        return pb2.MultiStringRequest(request=prompts, query_kwargs=kw)
+        return pb2.MultiStringRequest(request=prompts, query_kwargs=kw, chat=chat)
     items = [pb2.Prompt(text=p) if isinstance(p, str) else pb2.Prompt(token_ids=pb2.TokenIds(ids=p)) for p in prompts]
-    return pb2.MultiStringRequest(prompts=items, query_kwargs=kw)
+    return pb2.MultiStringRequest(prompts=items, query_kwargs=kw, chat=chat)
+
+
+TRANSPORT_KWARGS = frozenset({"stream"})
+"""Keys MII's own client puts among the generation arguments to say how it calls (`stream=True` on
+GeneratorReplyStream); they are not generation parameters, and are dropped here."""
 
 
 def read_request(request) -> tuple[list, dict]:
+    """(prompts, generation keyword arguments) of a `MultiStringRequest`, as `InputProcessor.process` takes them."""
     if request.prompts:
         prompts = [p.text if p.WhichOneof("kind") == "text" else list(p.token_ids.ids) for p in request.prompts]
     else:
         prompts = list(request.request)
-    return prompts, {k: from_value(v) for k, v in request.query_kwargs.items()}
+    return prompts, {k: from_value(v) for k, v in request.query_kwargs.items() if k not in TRANSPORT_KWARGS}
+
+
+def num_sequences(request) -> int:
+    """Sequences a request asks for: prompts × n (n may be one value per prompt); what the load balancer weighs."""
+    prompts = max(1, len(request.request) or len(request.prompts))
+    n = from_value(request.query_kwargs["n"]) if "n" in request.query_kwargs else 1
+    if isinstance(n, list):
+        return sum(x if isinstance(x, int) and x > 0 else 1 for x in n) or prompts
+    return prompts * (n if isinstance(n, int) and n > 0 else 1)
 
 
 # --- responses -------------------------------------------------------------------------------------------------
@@ -134,23 +151,16 @@ def from_reply(s) -> Response:
     if s.has_logprobs:
         logprobs = [{"token_id": x.token_id, "logprob": x.logprob, "top_logprobs": dict(x.top_logprobs)}
                     for x in s.logprobs]
-    return Response(s.response, s.prompt_tokens, s.generated_tokens, s.finish_reason, list(s.token_ids), logprobs)
+    return Response(s.response, s.prompt_tokens, s.generated_tokens, FinishReason(s.finish_reason),
+                    list(s.token_ids), logprobs)
 
 
-def merge(acc, reply):
-    """Fold a streamed chunk into the accumulated `MultiGenerationReply`: texts, token ids and logprobs appended,
-    counts and finish reasons taken from the latest chunk."""
-    if acc is None:
-        acc = pb2.MultiGenerationReply()
-        acc.CopyFrom(reply)
-        return acc
-    for a, r in zip(acc.response, reply.response):
-        a.response += r.response
-        a.token_ids.extend(r.token_ids)
-        a.logprobs.extend(r.logprobs)
-        a.finish_reason, a.prompt_tokens, a.generated_tokens = r.finish_reason, r.prompt_tokens, r.generated_tokens
-        a.time_taken = r.time_taken
-    return acc
+def from_multi_reply(reply) -> list[Response]:
+    return [from_reply(r) for r in reply.response]
+
+
+def to_multi_reply(responses: list[Response], time_taken: float = 0.0):
+    return pb2.MultiGenerationReply(response=[to_reply(r, time_taken) for r in responses])
 
 
 # --- errors ----------------------------------------------------------------------------------------------------
@@ -164,28 +174,6 @@ _CODES = [  # most specific first
     (errors.KVCacheError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
 ]
-
-
-def error_info(e: BaseException) -> dict:
-    """A JSON-able description of an exception, enough to raise the same typed mii error elsewhere."""
-    info = {"type": type(e).__name__, "message": str(e) if isinstance(e, errors.MIIError) else f"{type(e).__name__}: {e}"}
-    if isinstance(e, errors.ValidationError):
-        info.update(field=e.field, detail=str(e)[len(e.field) + 2:])
-    if isinstance(e, errors.PromptTooLongError):
-        info.update(prompt_length=e.prompt_length, max_context=e.max_context)
-    return info
-
-
-def error_from_info(info: dict) -> Exception:
-    kind = info.get("type")
-    if kind == "PromptTooLongError":
-        return errors.PromptTooLongError(info["prompt_length"], info["max_context"])
-    if "field" in info:
-        return errors.ValidationError(info["field"], info["detail"])
-    cls = getattr(errors, kind or "", None)
-    if isinstance(cls, type) and issubclass(cls, errors.MIIError):
-        return cls(info["message"])
-    return errors.MIIError(info["message"])
 
 
 def error_status(e: BaseException) -> tuple[grpc.StatusCode, str, tuple]:

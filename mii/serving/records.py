@@ -27,6 +27,14 @@ def check_name(name: str) -> str:
     return name
 
 
+def default_deployment_name(model_name_or_path: str) -> str:
+    """`<model basename>-mii-deployment` (MII's default name)."""
+    base = os.path.basename(str(model_name_or_path).rstrip("/")) or "SmolLM2-135M-Instruct"
+    if base.endswith(".gguf"):
+        base = base[: -len(".gguf")]
+    return f"{base}-mii-deployment"
+
+
 def record_path(name: str) -> Path:
     return deployments_dir() / f"{check_name(name)}.json"
 

@@ -1,17 +1,20 @@
 """One engine process of a deployment (a replica): loads the model, runs the engine loop in its own thread, and
 serves MII's gRPC service plus `grpc.health.v1` on a loopback port that it reports to the front process.
 
-The engine is not thread-safe, so exactly one thread (`EngineLoop`) calls `add_request`, `step` and `abort`;
-the asyncio gRPC handlers talk to it through a command queue and get outputs back through per-call sinks.
+Every gRPC call takes the one request path: `InputProcessor.process` (tokenized on one tokenizer thread, off the
+event loop), `Engine.add_requests`, and `OutputProcessor` for the chunks and final responses. The engine is not
+thread-safe, so exactly one thread (`EngineLoop`) calls `add_requests`, `step` and `abort`; the asyncio gRPC
+handlers talk to it through a command queue and get outputs back through per-call sinks.
 A handler that ends for any reason (finished, client gone, deadline passed) aborts what it still owns, so the
 sequences' KV blocks return to the pool.
 
-Run as `python -m mii.serving.replica` with a JSON spec on stdin (written by `mii.serving.deployment`).
+Run as `python -m mii.serving.replica` with a JSON spec on stdin (see `mii.children`; written by
+`mii.serving.deployment`).
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
 import logging
 import os
 import queue
@@ -27,20 +30,19 @@ import grpc
 from google.protobuf import empty_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mii.children import child_main, write_json
 from mii.engine.engine import RequestOutput
-from mii.engine.params import GenerationParams
-from mii.errors import ServerOverloadedError, ValidationError
-from mii.pipeline import normalize_prompts, per_prompt_params
-from mii.response import Response
-from mii.serving.protocol import CHANNEL_OPTIONS, error_info, error_status, pb2, pb2_grpc, read_request, to_reply
+from mii.engine.outputs import OutputProcessor
+from mii.engine.requests import EngineRequest, InputProcessor
+from mii.errors import ServerOverloadedError
+from mii.serving.protocol import CHANNEL_OPTIONS, error_status, pb2, pb2_grpc, read_request, to_multi_reply
 
 log = logging.getLogger("mii")
 
 
 @dataclass
 class _Add:
-    prompts: list[list[int]]
-    params: list[GenerationParams]
+    requests: list[EngineRequest]
     sink: "_Sink"
 
 
@@ -78,8 +80,8 @@ class EngineLoop:
         self._cmds.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, prompts: list[list[int]], params: list[GenerationParams], sink: _Sink) -> None:
-        self._cmds.put(_Add(prompts, params, sink))
+    def submit(self, requests: list[EngineRequest], sink: _Sink) -> None:
+        self._cmds.put(_Add(requests, sink))
 
     def abort(self, uids) -> None:
         self._cmds.put(("abort", list(uids)))
@@ -97,24 +99,20 @@ class EngineLoop:
         if cmd is None:
             return
         if isinstance(cmd, _Add):
-            uids = []
             try:
                 waiting = self.engine.num_waiting
-                if self.max_waiting is not None and waiting + len(cmd.prompts) > self.max_waiting:
+                if self.max_waiting is not None and waiting + len(cmd.requests) > self.max_waiting:
                     raise ServerOverloadedError(
                         f"the server is overloaded: {waiting} requests are waiting "
                         f"(max_waiting_requests={self.max_waiting}); retry later")
-                for ids, p in zip(cmd.prompts, cmd.params):
-                    uids.append(self.engine.add_request(ids, p))
+                uids = self.engine.add_requests(cmd.requests)
             except Exception as e:
-                for uid in uids:
-                    self.engine.abort(uid)
                 cmd.sink.put("error", e)
                 return
             for uid in uids:
                 self._sinks[uid] = cmd.sink
             self.requests += len(uids)
-            self.prompt_tokens += sum(len(ids) for ids in cmd.prompts)
+            self.prompt_tokens += sum(len(r.prompt_ids) for r in cmd.requests)
             cmd.sink.put("added", uids)
         else:
             for uid in cmd[1]:
@@ -160,83 +158,46 @@ class EngineLoop:
 class ReplicaServicer(pb2_grpc.ModelResponseServicer):
     """MII's service on one engine. Each call expands prompts × n into sequences and streams their outputs."""
 
-    def __init__(self, pipe, loop: EngineLoop, index: int, model_name: str, on_terminate):
-        self.pipe = pipe
+    def __init__(self, loop: EngineLoop, inputs: InputProcessor, index: int, model_name: str, on_terminate):
         self.loop = loop
+        self.inputs = inputs
         self.index = index
         self.model_name = model_name
         self.on_terminate = on_terminate
-
-    # --- requests ------------------------------------------------------------------------------------------------
-
-    def _prepare(self, request):
-        """Validate and expand a request: (prompts, token ids, params) per sequence (n per prompt)."""
-        prompts, kwargs = read_request(request)
-        plist, _ = normalize_prompts(prompts)
-        params = per_prompt_params(kwargs, len(plist))
-        engine = self.pipe.engine
-        out_prompts, out_ids, out_params = [], [], []
-        for i, (prompt, p) in enumerate(zip(plist, params)):
-            ids = self.pipe.encode(prompt)
-            if not ids:
-                raise ValidationError(f"prompts[{i}]", "the prompt encodes to no tokens")
-            engine.max_total(len(ids), p)
-            for j in range(p.n):
-                pj = p if p.n == 1 or p.seed is None else GenerationParams.from_kwargs({"seed": p.seed + j}, p.__dict__)
-                out_prompts.append(prompt)
-                out_ids.append(ids)
-                out_params.append(pj)
-        return out_prompts, out_ids, out_params
-
-    def _prefix(self, prompt, p: GenerationParams) -> str:
-        if not p.return_full_text:
-            return ""
-        return prompt if isinstance(prompt, str) else self.pipe.tokenizer.decode(prompt, skip_special_tokens=True)
+        # one thread tokenizes, so the event loop never waits on it and the tokenizer is never used concurrently
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mii-tokenize")
 
     async def _generate(self, request, context):
-        """Yield, per engine step with news, one `Response` per sequence (empty text when it had none)."""
+        """Per engine step with news: (the call's `OutputProcessor`, the news, seconds since the call began)."""
         start = time.perf_counter()
+        prompts, kwargs = read_request(request)
         try:
-            prompts, ids, params = self._prepare(request)
+            requests, _ = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize, self.inputs.process, prompts, kwargs, not request.chat)
         except Exception as e:
             await context.abort(*error_status(e))
+        outputs = OutputProcessor(requests)
         sink = _Sink(asyncio.get_running_loop())
-        self.loop.submit(ids, params, sink)
-        pending: Optional[set] = None
+        self.loop.submit(requests, sink)
+        added = False
         try:
             kind, value = await sink.queue.get()
             if kind == "error":
                 await context.abort(*error_status(value))
-            uids = value
-            index = {uid: i for i, uid in enumerate(uids)}
-            pending = set(uids)
-            started = [False] * len(uids)
-            state = [Response("", len(x), 0, "none") for x in ids]
-            while pending:
+            outputs.bind(value)
+            added = True
+            while not outputs.finished:
                 kind, value = await sink.queue.get()
-                if kind == "error":
-                    pending.clear()
+                if kind == "error":  # the engine loop dropped every sequence already
+                    outputs.pending.clear()
                     await context.abort(*error_status(value))
-                chunk = [Response("", s.prompt_length, s.generated_length, s.finish_reason, [],
-                                  [] if params[i].logprobs is not None else None) for i, s in enumerate(state)]
-                for o in value:
-                    i = index[o.uid]
-                    text = o.text if started[i] else self._prefix(prompts[i], params[i]) + o.text
-                    started[i] = True
-                    lp = None
-                    if params[i].logprobs is not None:
-                        lp = [{"token_id": t, "logprob": x, "top_logprobs": top} for t, x, top in o.logprobs]
-                    chunk[i] = state[i] = Response(text, o.prompt_length, o.generated_length, o.finish_reason,
-                                                   o.token_ids, lp)
-                    if o.finished:
-                        pending.discard(o.uid)
-                yield chunk, time.perf_counter() - start
+                yield outputs, outputs.update(value), time.perf_counter() - start
         finally:
             # cancelled, deadline passed or failed: free the sequences' KV blocks
-            if pending is None:
+            if not added:
                 asyncio.ensure_future(self._abort_when_added(sink))
-            elif pending:
-                self.loop.abort(pending)
+            elif outputs.pending:
+                self.loop.abort(set(outputs.pending))
 
     async def _abort_when_added(self, sink: _Sink) -> None:
         kind, value = await sink.queue.get()
@@ -244,30 +205,19 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
             self.loop.abort(value)
 
     async def GeneratorReplyStream(self, request, context):
-        async for chunk, elapsed in self._generate(request, context):
-            yield pb2.MultiGenerationReply(response=[to_reply(r, elapsed) for r in chunk])
+        async for outputs, news, elapsed in self._generate(request, context):
+            yield to_multi_reply(outputs.chunk(news), elapsed)
 
     async def GeneratorReply(self, request, context):
-        texts: list[list[str]] = []
-        last, elapsed = [], 0.0
-        tokens: list[list[int]] = []
-        logprobs: list[list] = []
-        async for chunk, elapsed in self._generate(request, context):
-            if not texts:
-                texts, tokens, logprobs = [[] for _ in chunk], [[] for _ in chunk], [[] for _ in chunk]
-            for i, r in enumerate(chunk):
-                texts[i].append(r.generated_text)
-                tokens[i].extend(r.token_ids or ())
-                logprobs[i].extend(r.logprobs or ())
-            last = chunk
-        final = [Response("".join(texts[i]), r.prompt_length, r.generated_length, r.finish_reason, tokens[i],
-                          logprobs[i] if r.logprobs is not None else None) for i, r in enumerate(last)]
-        return pb2.MultiGenerationReply(response=[to_reply(r, elapsed) for r in final])
+        outputs, elapsed = None, 0.0
+        async for outputs, _, elapsed in self._generate(request, context):
+            pass
+        return to_multi_reply(outputs.responses() if outputs is not None else [], elapsed)
 
     async def EngineStats(self, request, context):
         s = self.loop.stats
         return pb2.EngineStatsReply(replicas=[pb2.ReplicaStats(
-            replica=self.index, pid=os.getpid(), max_context=self.pipe.engine.plan.max_context,
+            replica=self.index, pid=os.getpid(), max_context=self.inputs.limits.max_context,
             model=self.model_name, alive=True, **s)])
 
     async def Terminate(self, request, context):
@@ -278,19 +228,11 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
 # --- process entry -----------------------------------------------------------------------------------------------
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit when the front process is gone (even when it was killed), so no replica is left behind."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(0)
-        time.sleep(0.5)
-
-
 async def serve_replica(spec: dict) -> None:
     import torch
 
     from mii.config import ModelConfig
-    from mii.pipeline import MIIPipeline
+    from mii.engine.factory import build_engine
 
     model_config = ModelConfig.model_validate(spec["model_config"])
     index = spec["index"]
@@ -301,14 +243,14 @@ async def serve_replica(spec: dict) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
 
-    pipe = await asyncio.to_thread(MIIPipeline, model_config)
-    if pipe.tp is not None:  # a tensor-parallel rank that dies takes this replica down (out of rotation), no hang
-        pipe.tp.on_failure = lambda why: os._exit(1)
-    engine_loop = EngineLoop(pipe.engine, spec.get("max_waiting_requests"))
+    built = await asyncio.to_thread(build_engine, model_config)
+    if built.tp_group is not None:  # a tensor-parallel rank that dies takes this replica down (out of rotation)
+        built.tp_group.on_failure = lambda why: os._exit(1)
+    engine_loop = EngineLoop(built.engine, spec.get("max_waiting_requests"))
     engine_loop.start()
     done = asyncio.Event()
     aloop = asyncio.get_running_loop()
-    servicer = ReplicaServicer(pipe, engine_loop, index, spec.get("model_name", ""),
+    servicer = ReplicaServicer(engine_loop, built.input_processor(), index, spec.get("model_name", ""),
                                lambda: aloop.call_soon_threadsafe(done.set))
     pb2_grpc.add_ModelResponseServicer_to_server(servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -316,7 +258,7 @@ async def serve_replica(spec: dict) -> None:
                               health_pb2.HealthCheckResponse.SERVING)
     log.info("replica %d (pid %d, %d threads) serving on 127.0.0.1:%d", index, os.getpid(),
              torch.get_num_threads(), port)
-    _write_json(spec["ready_file"], {"port": port, "pid": os.getpid()})
+    write_json(spec["ready_file"], {"port": port, "pid": os.getpid()})
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, done.set)
     await done.wait()
@@ -325,24 +267,8 @@ async def serve_replica(spec: dict) -> None:
     engine_loop.stop()
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
 def main() -> int:
-    spec = json.loads(sys.stdin.read())
-    log.setLevel(spec.get("log_level", logging.INFO))
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    try:
-        asyncio.run(serve_replica(spec))
-    except Exception as e:
-        log.error("replica %s failed:\n%s", spec.get("index"), traceback.format_exc())
-        _write_json(spec["error_file"], error_info(e))
-        return 1
-    return 0
+    return child_main(lambda spec: asyncio.run(serve_replica(spec)), "replica {index}")
 
 
 if __name__ == "__main__":

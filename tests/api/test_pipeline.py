@@ -180,3 +180,30 @@ def test_n_samples_per_prompt(default_pipe, chat_prompt):
     assert len({o.generated_text for o in outs[:3]}) == 3  # three different samples of the first prompt
     again = default_pipe([chat_prompt], n=3, max_new_tokens=12, do_sample=True, seed=7, temperature=1.2, top_p=1.0)
     assert [o.generated_text for o in again] == [o.generated_text for o in outs[:3]]
+
+
+def test_interleaved_streams_keep_their_outputs(default_pipe, chat_prompt):
+    """Two `stream` generators consumed in turns: each gets all of its own text, and a closed one frees its
+    sequences."""
+    kw = dict(max_new_tokens=10, do_sample=False, ignore_eos=True)
+    expected = default_pipe([chat_prompt, "Once upon a time"], **kw)
+    a, b = default_pipe.stream(chat_prompt, **kw), default_pipe.stream("Once upon a time", **kw)
+    texts, done = ["", ""], [False, False]
+    while not all(done):
+        for i, gen in enumerate((a, b)):
+            if not done[i]:
+                chunk = next(gen, None)
+                done[i] = chunk is None
+                texts[i] += chunk.generated_text if chunk is not None else ""
+    assert texts == [r.generated_text for r in expected]
+    c = default_pipe.stream(chat_prompt, **kw)
+    next(c)
+    c.close()
+    assert not default_pipe.engine.has_unfinished()
+    assert default_pipe.engine.kv.allocator.num_free == default_pipe.engine.kv.num_blocks
+
+
+def test_sync_debug_and_profile_model_time_are_refused():
+    for name in ("sync_debug", "profile_model_time"):
+        with pytest.raises(mii.errors.ValidationError, match=f"{name}=True is not supported"):
+            mii.pipeline(**{name: True})

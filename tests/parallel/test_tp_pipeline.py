@@ -104,7 +104,7 @@ def test_a_rank_that_dies_is_a_clear_error(llama, when):
     pipe = mii.pipeline(str(llama), dtype="float32", inference_engine_config=KV, tensor_parallel=2,
                         torch_dist_port=free_port())
     try:
-        worker = pipe.tp.workers[0]
+        worker = pipe.tp_group.workers[0]
         if when == "idle":  # the layers' rank is process-wide: no second pipeline next to a tensor-parallel one
             with pytest.raises(mii.errors.ValidationError, match="destroy"):
                 mii.pipeline(str(llama), dtype="float32", inference_engine_config=KV)
@@ -152,7 +152,7 @@ pipe = mii.pipeline(model, dtype="float32", all_rank_output=True, inference_engi
 first = pipe(%r, max_new_tokens=%d, do_sample=False, ignore_eos=True)
 pipe.all_rank_output = False
 second = pipe("Seattle is", max_new_tokens=3)
-with open(f"{out}/rank{pipe.tp.rank}.json", "w") as f:
+with open(f"{out}/rank{pipe.tp_group.rank}.json", "w") as f:
     json.dump({"first": [r.token_ids for r in first], "second": len(second), "tp": pipe.engine_plan.tensor_parallel}, f)
 pipe.destroy()
 """
@@ -179,7 +179,7 @@ import os, sys
 import mii
 pipe = mii.pipeline(sys.argv[1], dtype="float32", tensor_parallel=2, torch_dist_port=int(sys.argv[2]),
                     inference_engine_config=%r)
-print(pipe.tp.workers[0].pid, flush=True)
+print(pipe.tp_group.workers[0].pid, flush=True)
 os.kill(os.getpid(), 9)
 """
 

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from mii.serving import registry
+from mii.serving import records
 
 KV = {"state_manager": {"kv_block_size": 16, "memory_config": {"mode": "allocate", "size": 512}}}
 
@@ -42,9 +42,9 @@ def stop(client) -> None:
         client.terminate_server(timeout=20)
     finally:
         for pid in pids:
-            if registry.pid_alive(pid):
+            if records.pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    registry.log_path(client.deployment_name).unlink(missing_ok=True)
+    records.log_path(client.deployment_name).unlink(missing_ok=True)
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1):

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 import mii
-from mii.serving import registry
+from mii.serving import records
 from tests.serving.conftest import free_port, unique_name
 
 MII = str(Path(sys.executable).parent / "mii")
@@ -62,9 +62,9 @@ def test_serve_default_model_then_sigterm(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             for pid in replica_pids:
-                if registry.pid_alive(pid):
+                if records.pid_alive(pid):
                     os.kill(pid, signal.SIGKILL)
             log.close()
     assert rc == 0
-    assert replica_pids and not any(registry.pid_alive(p) for p in replica_pids)
-    assert registry.read(name) is None
+    assert replica_pids and not any(records.pid_alive(p) for p in replica_pids)
+    assert records.read(name) is None

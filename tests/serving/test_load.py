@@ -11,7 +11,7 @@ import pytest
 
 import mii
 from mii.errors import DeploymentNotFoundError, ServerOverloadedError
-from mii.serving import registry
+from mii.serving import records
 from mii.serving.protocol import make_request, pb2_grpc
 from tests.serving.conftest import KV, deployment_pids, free_port, stop, unique_name, wait_until
 
@@ -86,8 +86,8 @@ def test_dead_replica_leaves_rotation(limited, url):
 
 def test_terminate_leaves_no_process(limited):
     pids = deployment_pids(limited)
-    assert registry.pid_alive(pids[0])
+    assert records.pid_alive(pids[0])
     limited.terminate_server()
-    assert not any(registry.pid_alive(p) for p in pids)
+    assert not any(records.pid_alive(p) for p in pids)
     with pytest.raises(DeploymentNotFoundError):
         mii.client(limited.deployment_name)

@@ -1,0 +1,59 @@
+"""`build_engine`: the one way an engine comes to be, for `mii.pipeline`, a deployment's replica and a spawned
+tensor-parallel worker: device plan and threads, model source, the tensor-parallel group, weights, then the engine
+on rank 0 (or the runner that follows rank 0's steps on the other ranks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from mii.config import ModelConfig
+from mii.engine.engine import Engine, finish_plan_and_build_runner
+from mii.engine.model_runner import ModelRunner
+from mii.engine.plan import EnginePlan, plan_device
+from mii.engine.requests import InputProcessor
+from mii.errors import ValidationError
+from mii.loading import gguf_file, load_model, resolve_source
+from mii.parallel.group import TPGroup, active_group, start
+
+
+@dataclass
+class BuiltEngine:
+    plan: EnginePlan
+    tokenizer: Any
+    engine: Optional[Engine] = None
+    """The engine, on rank 0 (or without tensor parallelism)."""
+    follower: Optional[ModelRunner] = None
+    """On the other tensor-parallel ranks: the runner that executes rank 0's steps."""
+    tp_group: Optional[TPGroup] = None
+
+    def input_processor(self) -> InputProcessor:
+        return InputProcessor(self.tokenizer, self.engine.limits)
+
+
+def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) -> BuiltEngine:
+    """Load `model_config`'s model and build its engine. With `tensor_parallel > 1` this process starts the group
+    (spawned workers) or joins it (torchrun) unless it is a spawned worker that joined already (`tp_group`)."""
+    if tp_group is None and active_group() is not None:  # the layers' rank and size are process-wide
+        raise ValidationError("tensor_parallel", "a tensor-parallel pipeline is running in this process; "
+                                                 "destroy() it before creating another pipeline")
+    plan = plan_device(model_config)
+    torch.set_num_threads(plan.num_threads)
+    source = resolve_source(model_config.model_name_or_path)
+    started = None
+    if tp_group is None and model_config.tensor_parallel > 1:
+        if source.kind == "gguf":  # convert once here, before the other ranks read it
+            gguf_file.cached_folder(source.path, source.name)
+        tp_group = started = start(model_config.model_copy(update={"num_threads": plan.num_threads}), plan.device)
+    try:
+        loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer)
+        if tp_group is None or tp_group.rank == 0:
+            engine = Engine(loaded, model_config, plan, tp_group)
+            return BuiltEngine(engine.plan, loaded.tokenizer, engine=engine, tp_group=tp_group)
+        plan, runner = finish_plan_and_build_runner(loaded, model_config, plan, tp_group)
+        return BuiltEngine(plan, loaded.tokenizer, follower=runner, tp_group=tp_group)
+    except BaseException:
+        if started is not None:  # the other ranks may be anywhere in loading: stop them hard
+            started.close(graceful=False)
+        raise

@@ -1,0 +1,141 @@
+"""The input side of the one request path: prompts + generation keyword arguments → validated `EngineRequest`s.
+
+Every front end goes through `InputProcessor.process` exactly once: `mii.pipeline` in its own process, and the
+replica for every gRPC request (from `mii.client`, MII's own client, the MII REST route and the OpenAI API, which
+only translate their fields to generation keyword arguments). Here prompts are checked and tokenized, parameters
+validated (`GenerationParams.from_kwargs`, one per prompt), length limits resolved, the `return_full_text` prefix
+made and `n` expanded into sequences (sample j of a seeded prompt gets `seed + j`); the engine trusts the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from mii.engine.params import GenerationParams
+from mii.errors import KVCacheError, PromptTooLongError, ValidationError
+
+Prompt = Union[str, list[int]]
+_LIST_VALUED = {"stop", "stop_token_ids"}  # parameters whose single value is already a list
+
+
+def _is_token_ids(p) -> bool:
+    return isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def normalize_prompts(prompts) -> tuple[list[Prompt], bool]:
+    """(prompts as a list, whether a single prompt was given). A flat list of ints is one token-id prompt."""
+    if isinstance(prompts, str):
+        if not prompts:
+            raise ValidationError("prompts", "the prompt is empty")
+        return [prompts], True
+    if isinstance(prompts, (list, tuple)) and prompts and _is_token_ids(prompts):
+        return [list(prompts)], True
+    if not isinstance(prompts, (list, tuple)):
+        raise ValidationError("prompts", f"must be a string, a list of strings or token-id lists, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValidationError("prompts", "the prompt list is empty")
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) or _is_token_ids(p)):
+            raise ValidationError(f"prompts[{i}]", f"must be a string or a list of token ids, got {p!r:.60}")
+        if len(p) == 0:
+            raise ValidationError(f"prompts[{i}]", "the prompt is empty")
+    return [p if isinstance(p, str) else list(p) for p in prompts], False
+
+
+def per_prompt_params(kwargs: dict, n: int, defaults: Optional[dict] = None) -> list[GenerationParams]:
+    """One `GenerationParams` per prompt; a list value gives one value per prompt (vLLM-style). Unknown names are
+    left whole, for `GenerationParams.from_kwargs` to refuse."""
+    names = GenerationParams.names()
+    split = {}
+    for k, v in kwargs.items():
+        per_prompt = k in names and isinstance(v, (list, tuple)) and (
+            k not in _LIST_VALUED or (v and all(isinstance(x, (list, tuple)) or x is None for x in v)))
+        if per_prompt:
+            if len(v) != n:
+                raise ValidationError(k, f"has {len(v)} values for {n} prompts")
+            split[k] = list(v)
+    return [GenerationParams.from_kwargs({k: (split[k][i] if k in split else v) for k, v in kwargs.items()}, defaults)
+            for i in range(n)]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine can take: read once from it, applied to every request before it is admitted."""
+
+    max_context: int
+    """Longest sequence (prompt + generated) the engine runs."""
+    default_max_length: int
+    """Sequence length of a request that gives neither max_length nor max_new_tokens (MII's default, 1024)."""
+    kv_capacity_tokens: int
+    """Tokens the whole KV cache holds: a longer sequence could never run."""
+    vocab_size: int
+
+    def length_limit(self, prompt_len: int, p: GenerationParams) -> int:
+        """The sequence length at which the request ends with "length"; a typed error when it cannot run."""
+        ctx = self.max_context
+        if prompt_len >= ctx:
+            raise PromptTooLongError(prompt_len, ctx)
+        limit = ctx
+        if p.max_length is not None:
+            if prompt_len >= p.max_length:
+                raise ValidationError("max_length", f"{p.max_length} leaves no room after a {prompt_len}-token prompt")
+            limit = min(limit, p.max_length)
+        if p.max_new_tokens is not None:
+            limit = min(limit, prompt_len + p.max_new_tokens)
+        elif p.max_length is None:
+            limit = min(limit, max(self.default_max_length, prompt_len + 1))
+        if limit > self.kv_capacity_tokens:
+            if prompt_len >= self.kv_capacity_tokens:
+                raise KVCacheError(f"the prompt has {prompt_len} tokens; the KV cache holds only {self.kv_capacity_tokens}")
+            limit = self.kv_capacity_tokens
+        return limit
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence, validated: what `Engine.add_requests` admits and the output side assembles."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    max_total: int
+    """Length (prompt + generated) at which the sequence ends with finish_reason "length"."""
+    prefix: str = ""
+    """Text put before the generated text (the prompt, with return_full_text=True)."""
+
+
+class InputProcessor:
+    """Turns one call's prompts and generation keyword arguments into `EngineRequest`s, all validated before any is
+    returned (so a bad prompt or value queues nothing)."""
+
+    def __init__(self, tokenizer, limits: RequestLimits):
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return list(prompt)
+
+    def process(self, prompts, kwargs: dict, add_special_tokens: bool = True) -> tuple[list[EngineRequest], bool]:
+        """(one request per sequence, prompts × n in prompt order; whether a single prompt was given).
+        `add_special_tokens=False` for text that a chat template rendered (its special tokens are in it)."""
+        plist, single = normalize_prompts(prompts)
+        params = per_prompt_params(kwargs, len(plist))
+        out = []
+        for i, (prompt, p) in enumerate(zip(plist, params)):
+            ids = self.encode(prompt, add_special_tokens)
+            if not ids:
+                raise ValidationError(f"prompts[{i}]", "the prompt encodes to no tokens")
+            vocab = self.limits.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValidationError("prompt", f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+            max_total = self.limits.length_limit(len(ids), p)
+            prefix = ""
+            if p.return_full_text:
+                prefix = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=True)
+            for j in range(p.n):
+                pj = p if p.n == 1 or p.seed is None else dataclasses.replace(p, seed=p.seed + j)
+                out.append(EngineRequest(ids, pj, max_total, prefix))
+        return out, single
