@@ -32,7 +32,8 @@ def normalize_prompts(prompts) -> tuple[list[Prompt], bool]:
     if isinstance(prompts, (list, tuple)) and prompts and _is_token_ids(prompts):
         return [list(prompts)], True
     if not isinstance(prompts, (list, tuple)):
-        raise ValidationError("prompts", f"must be a string, a list of strings or token-id lists, got {type(prompts).__name__}")
+        raise ValidationError("prompts", "must be a string, a list of strings or token-id lists, "
+                                         f"got {type(prompts).__name__}")
     if not prompts:
         raise ValidationError("prompts", "the prompt list is empty")
     for i, p in enumerate(prompts):
@@ -87,7 +88,8 @@ class RequestLimits:
             limit = min(limit, max(self.default_max_length, prompt_len + 1))
         if limit > self.kv_capacity_tokens:
             if prompt_len >= self.kv_capacity_tokens:
-                raise KVCacheError(f"the prompt has {prompt_len} tokens; the KV cache holds only {self.kv_capacity_tokens}")
+                raise KVCacheError(f"the prompt has {prompt_len} tokens; "
+                                   f"the KV cache holds only {self.kv_capacity_tokens}")
             limit = self.kv_capacity_tokens
         return limit
 

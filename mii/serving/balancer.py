@@ -1,6 +1,6 @@
 """The load balancer of a deployment's front process: routes each request to the live replica with the fewest
-outstanding sequences (prompts × n; ties in turn), forwards it over gRPC as a stream, retries on another replica when one
-died before answering, and takes dead replicas out of rotation. `BalancerServicer` exposes it as MII's gRPC
+outstanding sequences (prompts × n; ties in turn), forwards it over gRPC as a stream, retries on another replica
+when one died before answering, and takes dead replicas out of rotation. `BalancerServicer` exposes it as MII's gRPC
 service; the HTTP gateway calls `LoadBalancer.stream` / `generate` directly, in the same event loop.
 
 Closing a stream early (client gone, deadline passed) cancels the replica call, which aborts the sequences.

@@ -98,3 +98,11 @@ def test_deepspeed_mii_client_request_is_served(deployment):
         whole = stub.GeneratorReply(request).response[0]
     expected = deployment.generate("DeepSpeed is", max_new_tokens=5, do_sample=False)[0]
     assert text == whole.response == expected.generated_text and whole.finish_reason == "length"
+
+
+def test_balancer_weighs_prompts_times_n():
+    from mii.serving.protocol import make_request, num_sequences
+
+    assert num_sequences(make_request(["a", "b"], {})) == 2
+    assert num_sequences(make_request(["a", "b"], {"n": 3})) == 6
+    assert num_sequences(make_request(["a", [1, 2]], {"n": [1, 4]})) == 5
