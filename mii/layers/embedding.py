@@ -12,21 +12,21 @@ from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.tp = tp_size()
+        self.tp_size = tp_size()
         self.vocab_size = vocab_size
-        self.shard = -(-vocab_size // self.tp)
+        self.shard = -(-vocab_size // self.tp_size)
         self.start = tp_rank() * self.shard
         rows = max(0, min(self.shard, vocab_size - self.start))
         self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
-        part = loaded.narrow(0, self.start, param.shape[0]) if self.tp > 1 else loaded
+        part = loaded.narrow(0, self.start, param.shape[0]) if self.tp_size > 1 else loaded
         check_shape(param, part, "embedding")
         param.data.copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
+        if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         inside = (local >= 0) & (local < self.weight.shape[0])
@@ -49,7 +49,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = packed_linear(h, self.packed, self.weight, self.bias)
-        if self.tp > 1:
+        if self.tp_size > 1:
             pad = self.shard - logits.shape[-1]
             logits = all_gather_last(F.pad(logits, (0, pad)))[..., : self.vocab_size]
         return logits

@@ -88,13 +88,13 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; `gather_output` rebuilds the full output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False):
-        self.tp = tp_size()
-        super().__init__(in_features, divide(out_features, self.tp, "output features"), bias)
+        self.tp_size = tp_size()
+        super().__init__(in_features, divide(out_features, self.tp_size, "output features"), bias)
         self.gather_output = gather_output
 
     def weight_loader(self, param, loaded, shard_id=None):
         rows = param.shape[0]
-        loaded = loaded.narrow(0, tp_rank() * rows, rows) if self.tp > 1 else loaded
+        loaded = loaded.narrow(0, tp_rank() * rows, rows) if self.tp_size > 1 else loaded
         check_shape(param, loaded)
         param.data.copy_(loaded)
 
@@ -115,9 +115,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for i, part in enumerate(loaded.split(self.out_sizes, dim=0)):
                 self.weight_loader(param, part, i)
             return
-        size = self.out_sizes[shard_id] // self.tp
-        offset = sum(self.out_sizes[:shard_id]) // self.tp
-        part = loaded.narrow(0, tp_rank() * size, size) if self.tp > 1 else loaded
+        size = self.out_sizes[shard_id] // self.tp_size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        part = loaded.narrow(0, tp_rank() * size, size) if self.tp_size > 1 else loaded
         target = param.data.narrow(0, offset, size)
         check_shape(target, part, f"part {shard_id}")
         target.copy_(part)
@@ -148,7 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         index = tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas
-        part = loaded.narrow(0, index * size, size) if self.tp > 1 else loaded
+        part = loaded.narrow(0, index * size, size) if self.tp_size > 1 else loaded
         target = param.data.narrow(0, offset, size)
         check_shape(target, part, f"{shard_id}_proj")
         target.copy_(part)
@@ -158,11 +158,11 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed (bias added once, after the sum)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        self.tp = tp_size()
-        super().__init__(divide(in_features, self.tp, "input features"), out_features, bias)
+        self.tp_size = tp_size()
+        super().__init__(divide(in_features, self.tp_size, "input features"), out_features, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 2 and self.tp > 1:
+        if param.dim() == 2 and self.tp_size > 1:
             cols = param.shape[1]
             loaded = loaded.narrow(1, tp_rank() * cols, cols)
         check_shape(param, loaded)

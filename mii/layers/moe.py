@@ -27,9 +27,9 @@ GATE, UP, DOWN = 0, 1, 2
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, act: str, renormalize: bool):
         super().__init__()
-        self.tp = tp_size()
+        self.tp_size = tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.inter = divide(intermediate, self.tp, "expert intermediate size")
+        self.inter = divide(intermediate, self.tp_size, "expert intermediate size")
         self.act = get_activation(act)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
@@ -41,11 +41,11 @@ class FusedMoE(nn.Module):
         expert, part = shard_id
         n = self.inter
         if part == DOWN:  # [H, I]: this rank's columns
-            if self.tp > 1:
+            if self.tp_size > 1:
                 loaded = loaded.narrow(1, tp_rank() * n, n)
             target = param.data[expert]
         else:  # [I, H]: this rank's rows, at the gate or the up offset
-            if self.tp > 1:
+            if self.tp_size > 1:
                 loaded = loaded.narrow(0, tp_rank() * n, n)
             target = param.data[expert].narrow(0, part * n, n)
         check_shape(target, loaded, f"expert {expert} part {part}")
