@@ -23,6 +23,14 @@ def _is_token_ids(p) -> bool:
     return isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
+def encode_prompt(tokenizer, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids: the one tokenization point of every request (and of the gateway's /tokenize).
+    `add_special_tokens=False` for text that a chat template rendered (its special tokens are in it)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    return list(prompt)
+
+
 def normalize_prompts(prompts) -> tuple[list[Prompt], bool]:
     """(prompts as a list, whether a single prompt was given). A flat list of ints is one token-id prompt."""
     if isinstance(prompts, str):
@@ -114,19 +122,14 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.limits = limits
 
-    def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return list(prompt)
-
     def process(self, prompts, kwargs: dict, add_special_tokens: bool = True) -> tuple[list[EngineRequest], bool]:
         """(one request per sequence, prompts × n in prompt order; whether a single prompt was given).
-        `add_special_tokens=False` for text that a chat template rendered (its special tokens are in it)."""
+        `add_special_tokens=False` for text that a chat template rendered."""
         plist, single = normalize_prompts(prompts)
         params = per_prompt_params(kwargs, len(plist))
         out = []
         for i, (prompt, p) in enumerate(zip(plist, params)):
-            ids = self.encode(prompt, add_special_tokens)
+            ids = encode_prompt(self.tokenizer, prompt, add_special_tokens)
             if not ids:
                 raise ValidationError(f"prompts[{i}]", "the prompt encodes to no tokens")
             vocab = self.limits.vocab_size

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response as HTTPResponse
 
 from mii import errors
-from mii.engine.requests import normalize_prompts
+from mii.engine.requests import encode_prompt, normalize_prompts
 from mii.serving import openai_api
 from mii.serving.balancer import LoadBalancer
 from mii.serving.http import (APIError, BearerAuth, ServedModel, api_error, check_model, read_json, render_chat,
@@ -63,9 +63,9 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         check_model(model, body.get("model"))
         if "messages" in body:
             text = render_chat(model, body["messages"], body.get("add_generation_prompt", True))
-            ids = model.tokenizer.encode(text, add_special_tokens=False)
+            ids = encode_prompt(model.tokenizer, text, add_special_tokens=False)
         elif isinstance(body.get("prompt"), str):
-            ids = model.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = encode_prompt(model.tokenizer, body["prompt"], bool(body.get("add_special_tokens", True)))
         else:
             raise APIError(400, "prompt: a string is required (or messages)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_context}
