@@ -164,7 +164,7 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
         self.index = index
         self.model_name = model_name
         self.on_terminate = on_terminate
-        # one thread tokenizes, so the event loop never waits on it and the tokenizer is never used concurrently
+        # one thread tokenizes: the event loop never waits on it, and no two encodes share the tokenizer at once
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mii-tokenize")
 
     async def _generate(self, request, context):
