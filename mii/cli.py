@@ -8,7 +8,7 @@ import sys
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 where the CPU/GPU has fast bf16, else float32)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (GPU N)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (gloo on CPU, NCCL on GPU)")
 

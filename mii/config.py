@@ -6,6 +6,7 @@ plan (`mii.engine.plan`) and reported there.
 """
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Any, Literal, Optional
 
@@ -70,8 +71,12 @@ class ModelConfig(_Config):
     """Default `max_length` (prompt + generated) of a request; the model's context when unset."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype; `auto` picks bfloat16 where the device has fast bf16 matmul, else float32 (CPU) / float16."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """`auto` is cuda when a GPU is visible, else cpu."""
+    device: str = "auto"
+    """`auto` (cuda when a GPU is visible, else cpu), `cpu`, `cuda` (the current GPU; one GPU per rank under
+    tensor parallelism) or `cuda:N` (GPU N, a single-rank engine)."""
+    cuda_graphs: bool = True
+    """On a GPU: capture decode steps as CUDA graphs at start (padded batch sizes; sizes and capture time in the
+    engine plan) and replay them when a step fits; False runs every step eagerly. Ignored on CPU."""
     quantization_mode: Optional[str] = None
     """Reserved (MII's field); only None is supported now."""
     inference_engine_config: InferenceEngineConfig = Field(default_factory=InferenceEngineConfig)
@@ -97,6 +102,20 @@ class ModelConfig(_Config):
         if v:
             raise ValueError(f"{info.field_name}=True is not supported (MII's debugging option; only False)")
         return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str):
+        if v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v):
+            return v
+        raise ValueError(f"device={v!r}: expected auto, cpu, cuda or cuda:N")
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self):
+        if ":" in self.device and self.tensor_parallel > 1:
+            raise ValueError(f"device={self.device!r} names one GPU, but tensor_parallel={self.tensor_parallel} "
+                             "needs one per rank: use device='cuda' (ranks take GPUs 0..N-1 of CUDA_VISIBLE_DEVICES)")
+        return self
 
     @field_validator("quantization_mode")
     @classmethod
