@@ -32,3 +32,9 @@ def ranks_on_this_host(tensor_parallel: int) -> int:
     if torchrun_env() is not None:
         return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     return tensor_parallel
+
+
+def kernels_disabled() -> bool:
+    """MII_KERNELS=0 keeps the torch reference backends (attention: gathered blocks + SDPA), for comparison or
+    where our kernels cannot run."""
+    return os.environ.get("MII_KERNELS", "1") == "0"

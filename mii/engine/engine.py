@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from mii.config import ModelConfig
+from mii.engine.cuda_graphs import plan_cuda_graphs
 from mii.engine.detokenizer import Detokenizer
 from mii.engine.kv_cache import KVCacheManager
 from mii.engine.model_runner import ModelRunner
@@ -69,7 +70,9 @@ def finish_plan_and_build_runner(loaded, model_config: ModelConfig, plan: Engine
             plan.reasons["kv_blocks"] += "; the smallest of the tensor-parallel ranks"
     runner = ModelRunner(loaded.model, plan.kv_num_blocks, plan.kv_block_size, plan.torch_dtype,
                          torch.device(plan.device), loaded.eos_token_ids, loaded.cfg.vocab_size,
-                         tp=tp if tp is not None and tp.rank == 0 else None)
+                         tp=tp if tp is not None and tp.rank == 0 else None, attention=plan.attention)
+    if plan.device.startswith("cuda"):
+        plan_cuda_graphs(runner, plan, model_config.cuda_graphs, tp)
     return plan, runner
 
 

@@ -61,15 +61,21 @@ class StepMeta:
     input_ids: np.ndarray    # [T] int64
     positions: np.ndarray    # [T] int64
     slots: np.ndarray        # [T] int64: KV cache slot (block * block_size + offset) of each new token
-    groups: list             # [GroupMeta]: decode tokens, then prompt chunks (at most 2)
+    groups: list             # [GroupMeta] for the torch attention backend: decode tokens, then prompt chunks
     last: np.ndarray         # [R] int64: flat index of the last token of each chunk that samples
     sample_rows: np.ndarray  # [R] int64: which chunks of the batch those are
+    query_start: np.ndarray  # [S + 1] int32: cumulative query lengths
+    seq_lens: np.ndarray     # [S] int32: keys per sequence once this step's tokens are written
+    block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
+    num_decode: int          # leading sequences with one query token
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, eos_token_ids: tuple, vocab_size: int, tp=None):
+                 device: torch.device, eos_token_ids: tuple, vocab_size: int, tp=None, attention: str = "torch"):
         self.model = model
+        self.attention = attention  # "kernel" reads the varlen metadata only; "torch" needs the padded groups
+        self._sampling_cache: dict = {}  # batch's sequence uids -> SamplingBatch (parameters that do not move)
         self.tp = tp  # mii.parallel.TPGroup on rank 0 of a tensor-parallel group: steps are sent to the others
         self.block_size = block_size
         self.device = device
@@ -81,6 +87,12 @@ class ModelRunner:
         self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), dtype, device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.backend = attention
+        if attention == "kernel" and device.type == "cpu":  # mii's CPU kernels are built: fused norm/rotary/silu too
+            for m in model.modules():
+                if hasattr(m, "fused"):
+                    m.fused = True
+        self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -96,28 +108,33 @@ class ModelRunner:
         S = len(chunks)
         lengths = np.fromiter((c.length for c in chunks), np.int64, S)
         starts = np.fromiter((c.start for c in chunks), np.int64, S)
-        offsets = np.zeros(S, dtype=np.int64)
-        np.cumsum(lengths[:-1], out=offsets[1:])
-        ids, slots = [], []
-        for c in chunks:
+        query_start = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(lengths, out=query_start[1:])
+        offsets = query_start[:-1]
+        seq_lens = starts + lengths
+        T = int(query_start[-1])
+        # block tables [S, max_blocks], padded with block 0
+        tables = np.zeros((S, int(-(-seq_lens.max() // bs))), dtype=np.int64)
+        ids = []
+        for i, c in enumerate(chunks):
+            n = min(len(c.seq.block_table), tables.shape[1])
+            tables[i, :n] = c.seq.block_table[:n]
             ids.extend(c.seq.token_ids[c.start: c.start + c.length])
-            p = np.arange(c.start, c.start + c.length)
-            slots.append(np.asarray(c.seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs)
-        positions = np.concatenate([np.arange(c.start, c.start + c.length) for c in chunks])
+        # each token's sequence row and position, without a per-sequence loop
+        row = np.repeat(np.arange(S), lengths)                            # [T]
+        positions = np.arange(T, dtype=np.int64) - offsets[row] + starts[row]
+        slots = tables[row, positions // bs] * bs + positions % bs
         # the scheduler puts decode tokens first: they form one contiguous group, the rest another
         n_decode = int(np.argmin(lengths == 1)) if (lengths > 1).any() else S
         groups = []
-        for a, b in ((0, n_decode), (n_decode, S)):
+        for a, b in ((0, n_decode), (n_decode, S)) if self.attention == "torch" else ():
             if b > a:
-                max_blocks = int(-(-(starts[a:b] + lengths[a:b]).max() // bs))
-                tables = np.zeros((b - a, max_blocks), dtype=np.int64)
-                for i, c in enumerate(chunks[a:b]):
-                    n = min(len(c.seq.block_table), max_blocks)
-                    tables[i, :n] = c.seq.block_table[:n]
-                groups.append(GroupMeta(lengths[a:b], starts[a:b], offsets[a:b], tables))
+                groups.append(GroupMeta(lengths[a:b], starts[a:b], offsets[a:b],
+                                        tables[a:b, : int(-(-seq_lens[a:b].max() // bs))]))
         rows = np.fromiter((i for i, c in enumerate(chunks) if c.samples), np.int64)
-        return StepMeta(np.asarray(ids, dtype=np.int64), positions, np.concatenate(slots), groups,
-                        offsets[rows] + lengths[rows] - 1, rows)
+        return StepMeta(np.asarray(ids, dtype=np.int64), positions, slots, groups,
+                        query_start[rows + 1] - 1, rows, query_start.astype(np.int32), seq_lens.astype(np.int32),
+                        tables.astype(np.int32), n_decode)
 
     def _group(self, g: GroupMeta) -> AttentionGroup:
         bs = self.block_size
@@ -127,7 +144,7 @@ class ModelRunner:
         valid = q[None, :] < lengths[:, None]                            # [S, Q]
         token_idx = np.where(valid, offsets[:, None] + q[None, :], 0)    # [S, Q]
         q_pos = np.where(valid, starts[:, None] + q[None, :], 0)
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
         first, count = int(offsets[0]), int(lengths.sum())
         contiguous = bool(valid.all()) and (token_idx.reshape(-1) == np.arange(first, first + count)).all()
         return AttentionGroup(
@@ -140,13 +157,19 @@ class ModelRunner:
     def _inputs(self, meta: StepMeta):
         """Device tensors of a step: (input ids [T], positions [T], AttentionContext, sampled rows' last token [R])."""
         dev = self.device
-        ctx = AttentionContext(slot_mapping=torch.from_numpy(meta.slots).to(dev), block_size=self.block_size,
-                               num_tokens=len(meta.input_ids), groups=[self._group(g) for g in meta.groups])
-        return (torch.from_numpy(meta.input_ids).to(dev), torch.from_numpy(meta.positions).to(dev), ctx,
-                torch.from_numpy(meta.last).to(dev))
+        to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # no host sync (pageable: staged at once)
+        ctx = AttentionContext(slot_mapping=to(meta.slots), block_size=self.block_size,
+                               num_tokens=len(meta.input_ids), groups=[self._group(g) for g in meta.groups],
+                               query_start=to(meta.query_start), seq_lens=to(meta.seq_lens),
+                               block_tables=to(meta.block_tables),
+                               max_query_len=int(np.diff(meta.query_start).max()),
+                               max_seq_len=int(meta.seq_lens.max()), num_decode=meta.num_decode)
+        return to(meta.input_ids), to(meta.positions), ctx, to(meta.last)
 
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
         """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none)."""
+        if self.graphs is not None and (logits := self.graphs.run(meta)) is not None:
+            return logits
         input_ids, positions, ctx, last = self._inputs(meta)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         if not len(meta.last):
@@ -161,6 +184,32 @@ class ModelRunner:
             return self.execute(meta)
 
     def _sampling_batch(self, seqs) -> SamplingBatch:
+        """The step's sampling tensors. The per-request parameters are rebuilt only when the batch's sequences
+        change (in steady decode they do not); what moves every step (token counts, penalties' histories, the EOS
+        ban before min_new_tokens) is rebuilt only when some row needs it."""
+        key = tuple(s.uid for s in seqs)
+        sb = self._sampling_cache.get(key)
+        if sb is None:
+            sb = self._sampling_cache[key] = self._sampling_params(seqs)
+            if len(self._sampling_cache) > 8:
+                self._sampling_cache.pop(next(iter(self._sampling_cache)))
+        dev = self.device
+        ps = [s.params for s in seqs]
+        if not sb.all_greedy:
+            sb.steps = torch.tensor([s.num_generated for s in seqs], dtype=torch.long).to(dev, non_blocking=True)
+        if sb.penalties is not None:
+            sb.penalties = sb.penalties[:3] + (
+                pad_ids([s.prompt_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, ps)], dev),
+                pad_ids([s.generated_ids for s in seqs], dev))
+        sb.banned = None
+        if sb.has_min_tokens:
+            banned = [(list(self.eos) if not p.ignore_eos else []) + list(p.stop_token_ids)
+                      if s.num_generated < p.min_new_tokens else [] for s, p in zip(seqs, ps)]
+            if any(banned):
+                sb.banned = pad_ids(banned, dev)
+        return sb
+
+    def _sampling_params(self, seqs) -> SamplingBatch:
         V = self.vocab_size
         ps = [s.params for s in seqs]
         greedy = [p.greedy for p in ps]
@@ -170,29 +219,23 @@ class ModelRunner:
         dev = self.device
         sampled_rows = [not g for g in greedy]
         sb = SamplingBatch(
-            greedy=torch.tensor(greedy, device=dev),
-            temperature=torch.tensor(temperature, device=dev),
-            top_p=torch.tensor(top_p, device=dev),
-            top_k=torch.tensor(top_k, device=dev),
-            min_p=torch.tensor([p.min_p for p in ps], device=dev),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
-            steps=torch.tensor([s.num_generated for s in seqs], dtype=torch.long, device=dev),
+            greedy=torch.tensor(greedy).to(dev, non_blocking=True),
+            temperature=torch.tensor(temperature).to(dev, non_blocking=True),
+            top_p=torch.tensor(top_p).to(dev, non_blocking=True),
+            top_k=torch.tensor(top_k).to(dev, non_blocking=True),
+            min_p=torch.tensor([p.min_p for p in ps]).to(dev, non_blocking=True),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long).to(dev, non_blocking=True),
+            steps=None,
             all_greedy=all(greedy),
             needs_sort=any(r and (p.top_p < 1.0 or bool(p.top_k)) for r, p in zip(sampled_rows, ps)),
             any_min_p=any(r and p.min_p > 0 for r, p in zip(sampled_rows, ps)),
             logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
+        sb.has_min_tokens = any(p.min_new_tokens > 0 for p in ps)
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
-            sb.penalties = (
-                torch.tensor([p.repetition_penalty for p in ps], device=dev),
-                torch.tensor([p.presence_penalty for p in ps], device=dev),
-                torch.tensor([p.frequency_penalty for p in ps], device=dev),
-                pad_ids([s.prompt_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, ps)], dev),
-                pad_ids([s.generated_ids for s in seqs], dev))
-        banned = [(list(self.eos) if not p.ignore_eos else []) + list(p.stop_token_ids)
-                  if s.num_generated < p.min_new_tokens else [] for s, p in zip(seqs, ps)]
-        if any(banned):
-            sb.banned = pad_ids(banned, dev)
+            sb.penalties = (torch.tensor([p.repetition_penalty for p in ps]).to(dev, non_blocking=True),
+                            torch.tensor([p.presence_penalty for p in ps]).to(dev, non_blocking=True),
+                            torch.tensor([p.frequency_penalty for p in ps]).to(dev, non_blocking=True))
         return sb
 
     # --- the step ------------------------------------------------------------------------------------------------

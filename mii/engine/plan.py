@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 import torch
 
 from mii.config import ModelConfig
-from mii.envs import ranks_on_this_host
+from mii.envs import kernels_disabled, ranks_on_this_host
 from mii.errors import KVCacheError, ValidationError
 
 log = logging.getLogger("mii")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CAP_BYTES = 2 << 30
+ATTENTION_LABELS = {"torch": "torch SDPA over gathered KV blocks",
+                    "kernel": "mii::paged_attention (KV blocks read in place, one call per layer); "
+                              "fused rms_norm+residual, rotary, silu*mul"}
 
 
 @dataclass
@@ -31,8 +34,12 @@ class EnginePlan:
     max_batch_seqs: int = 0
     max_context: int = 0
     tensor_parallel: int = 1
-    attention_backend: str = "torch-sdpa (paged, gathered blocks)"
+    attention: str = "torch"
+    """Attention backend: "kernel" (mii::paged_attention, reads the KV blocks in place) or "torch" (gathered
+    blocks + SDPA, the reference)."""
     linear_backend: str = "torch"
+    cuda_graphs: str = ""
+    """On a GPU: the captured decode batch sizes, capture time and memory, or why there are none."""
     reasons: dict = field(default_factory=dict)
 
     @property
@@ -42,12 +49,14 @@ class EnginePlan:
     def describe(self) -> str:
         rows = [("device", self.device), ("dtype", self.dtype), ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
-                ("attention", self.attention_backend), ("linears", self.linear_backend),
+                ("attention", ATTENTION_LABELS.get(self.attention, self.attention)), ("linears", self.linear_backend),
                 ("kv_block_size", self.kv_block_size),
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
                 ("token budget", self.max_batch_tokens), ("max sequences/step", self.max_batch_seqs),
                 ("max context", self.max_context)]
+        if self.cuda_graphs:
+            rows.append(("cuda graphs", self.cuda_graphs))
         return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
 
 
@@ -71,6 +80,21 @@ def _available_ram() -> int:
     return 8 << 30
 
 
+def cuda_dtype(capability: tuple) -> str:
+    """The auto dtype on a GPU of this compute capability: bf16 on sm80+ (Ampere on, bf16 tensor cores), else
+    fp16 (`torch.cuda.is_bf16_supported()` also says yes where bf16 is only emulated)."""
+    return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
+
+
+def check_cuda_device(device: str, count: int) -> str:
+    """`cuda` or `cuda:N`, checked against the `count` GPUs torch sees."""
+    if count == 0:
+        raise ValidationError("device", f"{device} was asked for, but torch sees no GPU")
+    if ":" in device and int(device.split(":")[1]) >= count:
+        raise ValidationError("device", f"{device}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def plan_device(cfg: ModelConfig) -> EnginePlan:
     """Device, dtype and threads: what must be known before the model is built."""
     reasons = {}
@@ -78,13 +102,17 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         reasons["device"] = "auto: " + ("a GPU is visible" if device == "cuda" else "no GPU visible")
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ValidationError("device", "cuda was asked for, but torch sees no GPU")
+    if device.startswith("cuda"):
+        device = check_cuda_device(device, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if ":" in device:
+            torch.cuda.set_device(torch.device(device))  # kernels launch and memory is counted on the current GPU
     dtype = cfg.dtype
     if dtype == "auto":
-        if device == "cuda":
-            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-            reasons["dtype"] = "auto: the GPU's fastest half precision"
+        if device.startswith("cuda"):
+            cap = torch.cuda.get_device_capability(torch.device(device))
+            dtype = cuda_dtype(cap)
+            reasons["dtype"] = f"auto: sm{cap[0]}{cap[1]} " + (
+                "has bf16 tensor cores" if dtype == "bfloat16" else "has no bf16 tensor cores (sm80+ has)")
         elif cpu_has_fast_bf16():
             dtype = "bfloat16"
             reasons["dtype"] = "auto: this CPU has native bf16 matmul (avx512_bf16/amx), ~4x fp32"
@@ -100,10 +128,33 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
         reasons["threads"] = ("auto: every core this process may use" if ranks == 1 else
                               f"auto: {cores} cores shared by {ranks} tensor-parallel ranks, per rank")
     if cfg.tensor_parallel > 1:
-        reasons["tensor parallel"] = (f"one process per rank, {'NCCL' if device == 'cuda' else 'gloo'}; "
+        reasons["tensor parallel"] = (f"one process per rank, {'NCCL' if device.startswith('cuda') else 'gloo'}; "
                                       "weights and KV heads sharded")
-    return EnginePlan(device=device, dtype=dtype, num_threads=threads, tensor_parallel=cfg.tensor_parallel,
+    plan = EnginePlan(device=device, dtype=dtype, num_threads=threads, tensor_parallel=cfg.tensor_parallel,
                       reasons=reasons)
+    plan_attention(plan)
+    return plan
+
+
+def plan_attention(plan: EnginePlan) -> None:
+    """The attention backend: our kernel when it is available for the device, else the torch reference."""
+    from mii import kernels
+
+    if kernels_disabled():
+        plan.attention, plan.reasons["attention"] = "torch", "MII_KERNELS=0"
+        return
+    if plan.device == "cpu":
+        error = kernels.load_cpu_kernels()
+        plan.attention = "torch" if error else "kernel"
+        plan.reasons["attention"] = (f"the C++ kernel could not be built: {error}" if error else
+                                     "C++ kernel: no block gather, no mask, decode and prompt chunks in one call")
+    elif plan.device.startswith("cuda"):
+        from mii.kernels.paged_attention_cuda import load_cuda_kernels
+
+        error = load_cuda_kernels()
+        plan.attention = "torch" if error else "kernel"
+        plan.reasons["attention"] = (f"no Triton ({error}): torch SDPA over gathered blocks" if error else
+                                     "Triton kernels: KV blocks read in place, a ragged step in one or two launches")
 
 
 def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, model_max_context: int) -> EnginePlan:
@@ -112,9 +163,10 @@ def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, 
     plan.max_context = min(sm.max_context, model_max_context)
     if sm.max_context > model_max_context:
         plan.reasons["max context"] = f"capped by the model's {model_max_context} positions"
-    plan.kv_block_size = sm.kv_block_size or (16 if plan.device == "cuda" else 32)
+    on_gpu = plan.device.startswith("cuda")
+    plan.kv_block_size = sm.kv_block_size or (16 if on_gpu else 32)
     if not sm.kv_block_size:
-        plan.reasons["kv_block_size"] = "auto: " + ("16 for GPU kernels" if plan.device == "cuda"
+        plan.reasons["kv_block_size"] = "auto: " + ("16 for GPU kernels" if on_gpu
                                                     else "32: fewer gather indices on CPU, small padding waste")
     block_bytes = bytes_per_block_token * plan.kv_block_size
     mem = sm.memory_config
@@ -122,8 +174,8 @@ def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, 
         plan.kv_num_blocks = mem.size
         plan.reasons["kv_blocks"] = "memory_config allocate"
     else:
-        if plan.device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
+        if on_gpu:
+            free, _ = torch.cuda.mem_get_info(torch.device(plan.device))
             budget = free - mem.size
             plan.reasons["kv_blocks"] = f"reserve: free GPU memory less {mem.size} bytes"
         else:

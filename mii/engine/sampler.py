@@ -46,13 +46,14 @@ class SamplingBatch:
     top_k: torch.Tensor           # [S] long (vocab size when unset)
     min_p: torch.Tensor           # [S] float
     seeds: torch.Tensor           # [S] long
-    steps: torch.Tensor           # [S] long: tokens generated so far
+    steps: Optional[torch.Tensor]  # [S] long: tokens generated so far (None when every row is greedy)
     all_greedy: bool
     needs_sort: bool              # some sampled row uses top_p < 1 or top_k
     any_min_p: bool
     penalties: Optional[tuple] = None  # (rep [S], presence [S], frequency [S], prompt_ids [S, P], output_ids [S, O]) padded with -1
     banned: Optional[torch.Tensor] = None  # [S, n] long ids to mask (EOS before min_new_tokens), -1 padding
     logprobs: int = -1            # top-k logprobs to return (max over rows); -1: none
+    has_min_tokens: bool = False  # some row has min_new_tokens (its EOS ban is rebuilt each step)
 
 
 @dataclass
@@ -122,4 +123,4 @@ def pad_ids(rows: list[list[int]], device) -> torch.Tensor:
     arr = np.full((len(rows), width), -1, dtype=np.int64)
     for i, r in enumerate(rows):
         arr[i, : len(r)] = r
-    return torch.from_numpy(arr).to(device)
+    return torch.from_numpy(arr).to(device, non_blocking=True)

@@ -1,8 +1,11 @@
 """Kernels of our own, behind PyTorch custom ops so that eager code and `torch.compile` call them alike.
 
-`mii::paged_attention` writes a step's K/V into their cache slots and attends through the block tables in place,
-for a whole ragged batch (decode tokens and prompt chunks) in one call. The op is defined here; its CPU kernel is
-C++ (`paged_attention_cpu.cpp`), built once per machine with the system compiler and cached under
+- `mii::paged_attention` writes a step's K/V into their cache slots and attends through the block tables in
+  place, for a whole ragged batch (decode tokens and prompt chunks) in one call (`paged_attention_cpu.cpp`);
+- `mii::rms_norm` (with the residual add folded in), `mii::rotary_` (in place on q and k) and
+  `mii::silu_and_mul`: one call each where eager PyTorch takes 5-10 small ops (`fused_cpu.cpp`).
+
+The ops are defined here; their CPU kernels are C++, built once per machine with the system compiler and cached under
 `~/.cache/mii/kernels` (`$MII_CACHE_DIR`). Why our own: no maintained package offers CPU paged attention for
 current PyTorch without bringing a whole serving framework, and `flex_attention` on CPU only runs fast as a
 compiled template (one compile per shape, ~1.4-2.1 ms a call measured here), too slow for decode. When the
@@ -23,16 +26,36 @@ from mii.envs import cache_dir
 
 log = logging.getLogger("mii")
 
-_SRC = Path(__file__).with_name("paged_attention_cpu.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
             "float scale, int window) -> Tensor")
 
 
+_lib.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)")
+_lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()")
+_lib.define("silu_and_mul(Tensor x) -> Tensor")
+
+
 @torch.library.register_fake("mii::paged_attention")
 def _(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens, block_tables, max_query_len, scale, window):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.register_fake("mii::rms_norm")
+def _(x, residual, weight, eps, offset):
+    return torch.empty_like(x), torch.empty_like(x) if residual is not None else x.new_empty(0)
+
+
+@torch.library.register_fake("mii::rotary_")
+def _(q, k, positions, cos, sin):
+    return None
+
+
+@torch.library.register_fake("mii::silu_and_mul")
+def _(x):
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 
 _lock = threading.Lock()
@@ -56,17 +79,18 @@ def load_cpu_kernels() -> Optional[str]:
             from torch.utils import cpp_extension
 
             # the build is specific to this torch, this source and this CPU's instruction set (-march=native)
-            key = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+            key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()
+                                 + _cpu_flags().encode()).hexdigest()[:16]
             build = cache_dir() / "kernels" / key
             build.mkdir(parents=True, exist_ok=True)
             if not (build / "mii_cpu_kernels.so").exists():
-                log.info("mii: building the CPU attention kernel (once per machine, ~1 min) in %s", build)
-            cpp_extension.load(name="mii_cpu_kernels", sources=[str(_SRC)], build_directory=str(build),
+                log.info("mii: building the CPU kernels (once per machine, ~1-2 min) in %s", build)
+            cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
             _state["error"] = None
         except Exception as e:  # no compiler, or a failed build: the torch backend stays
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
-            log.warning("mii: the CPU attention kernel could not be built (%s); using the torch backend", reason)
+            log.warning("mii: the CPU kernels could not be built (%s); using the torch backends", reason)
             _state["error"] = reason
         return _state["error"]

@@ -196,4 +196,3 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,9 +1,12 @@
-"""Paged attention over the blocked KV cache (torch backend: gather the blocks, then SDPA).
+"""Paged attention over the blocked KV cache, with two backends behind one layer:
+
+- "kernel": `mii::paged_attention` (mii/kernels), which writes the step's K/V into their slots and reads every
+  sequence's blocks in place through its block table, decode tokens and prompt chunks in one call;
+- "torch": the reference: gather each group's blocks, then one SDPA per group with an additive mask.
 
 Hot path rules: the step's metadata (`AttentionContext`) is built once by the model runner with numpy and
-passed in; a layer does one cache write and at most two SDPA calls (decode tokens batched together, prompt
-chunks batched together), whatever the number of sequences. No host syncs, no per-sequence Python loops.
-Decode tokens lead the flat batch, so their queries and outputs are slices, not gathers.
+passed in; a layer does one kernel call (or one cache write and at most two SDPA calls), whatever the number of
+sequences. No host syncs, no per-sequence Python loops.
 
 KV cache layout, per layer: k and v each [num_blocks, block_size, kv_heads, head_dim].
 """
@@ -48,10 +51,20 @@ class AttentionGroup:
 
 @dataclass
 class AttentionContext:
+    """One step's attention metadata, built once by the model runner. Two views of the same batch: `groups`
+    (the torch backend: padded per-group tensors) and the varlen view that kernels reading the KV blocks in
+    place take (sequences in batch order, decode tokens first)."""
+
     slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
     block_size: int
     num_tokens: int
     groups: list[AttentionGroup]
+    query_start: Optional[torch.Tensor] = None   # [S + 1] int32: cumulative query lengths (flat batch offsets)
+    seq_lens: Optional[torch.Tensor] = None      # [S] int32: keys per sequence once this step's tokens are written
+    block_tables: Optional[torch.Tensor] = None  # [S, max_blocks] int32, padded with 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    num_decode: int = 0                          # leading sequences with exactly one query token
 
 
 class PagedAttention(nn.Module):
@@ -63,9 +76,17 @@ class PagedAttention(nn.Module):
         self.window = sliding_window
         self.k_cache: Optional[torch.Tensor] = None  # bound by the model runner
         self.v_cache: Optional[torch.Tensor] = None
+        self.backend = "torch"  # set by the model runner from the engine plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [T, h, d]; k, v: [T, kvh, d] → [T, h * d]."""
+        if self.backend == "kernel":
+            return torch.ops.mii.paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping,
+                                                 ctx.query_start, ctx.seq_lens, ctx.block_tables,
+                                                 ctx.max_query_len, self.scale, self.window or 0)
+        return self._torch(q, k, v, ctx)
+
+    def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         h, kvh, d, T = self.n_heads, self.n_kv_heads, self.head_dim, ctx.num_tokens
         self.k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, k)
         self.v_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, v)

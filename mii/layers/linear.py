@@ -8,6 +8,7 @@ into its parts and loads each as above, so tensor parallelism still takes the ri
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -30,7 +31,17 @@ def divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-_PACKABLE = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+@functools.lru_cache(maxsize=None)
+def bf16_packable() -> bool:
+    """Whether oneDNN can prepack bf16 linear weights here: it needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT, and
+    raises on other CPUs (AVX2-only machines), so ask it once with a small weight."""
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), 64)
+        return True
+    except RuntimeError:
+        return False
 
 
 def packed_linear(x: torch.Tensor, packed, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -44,7 +55,7 @@ def prepack_cpu_bf16(model: nn.Module) -> int:
     """Re-lay out the bf16 weights of every linear and LM head in oneDNN's blocked format: 1.3-2x faster
     matmuls at decode batch sizes (1-256 rows) on CPU, bit-identical results. A linear's dense copy is freed
     (weights are loaded by then); a weight shared with an embedding is kept. Returns how many were packed."""
-    if not _PACKABLE:
+    if not bf16_packable():
         return 0
     shared = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if "embed" in name}
     n = 0

@@ -5,6 +5,7 @@ Column-parallel in, row-parallel out, so each rank holds a slice of the intermed
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mii.layers.activation import gated, get_activation
@@ -23,7 +24,11 @@ class MLP(nn.Module):
             self.fc2 = RowParallelLinear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
 
+    fused = False  # set by the model runner when mii's CPU kernels are built (silu only: mii::silu_and_mul)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
+            if self.fused and self.act is F.silu:
+                return self.down_proj(torch.ops.mii.silu_and_mul(self.gate_up_proj(x)))
             return self.down_proj(gated(self.act, self.gate_up_proj(x)))
         return self.fc2(self.act(self.fc1(x)))

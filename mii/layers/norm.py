@@ -9,7 +9,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * (offset + weight), computed in float32 as Hugging Face does. Gemma uses offset 1."""
+    """y = x / rms(x) * (offset + weight), computed in float32 as Hugging Face does. Gemma uses offset 1.
+    With `fused` (set by the model runner when mii's CPU kernels are built), one `mii::rms_norm` call."""
+
+    fused = False
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -18,6 +21,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.fused:
+            shape = x.shape
+            y, new_residual = torch.ops.mii.rms_norm(x.reshape(-1, shape[-1]), residual, self.weight, self.eps,
+                                                     self.offset)
+            return y.view(shape) if residual is None else (y.view(shape), new_residual)
         if residual is not None:
             x = residual = x + residual
         dtype = x.dtype

@@ -92,8 +92,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * mscale), persistent=False)
         self._positions: Optional[torch.Tensor] = None
 
+    fused = False  # set by the model runner when mii's CPU kernels are built: one in-place mii::rotary_ call
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, h, d], k: [T, kvh, d]; rotates the first rot_dim features of each head."""
+        if self.fused:
+            torch.ops.mii.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
+        if torch.compiler.is_compiling():  # a compiled graph looks the table up once anyway (CSE)
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
         if positions is not self._positions:  # the table lookup is done once per step, not once per layer
             self._positions = positions
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, rot/2]
