@@ -85,3 +85,40 @@ def test_client_leaving_a_blocking_request_aborts_it(base_url, deployment):
     freed = wait_until(lambda: all(s.kv_blocks_used == 0 and s.num_running == 0 for s in deployment.engine_stats()),
                        timeout=15)
     assert freed and sum(s.generation_tokens_total for s in deployment.engine_stats()) - before < 900
+
+
+def test_http_connections_send_without_delay():
+    """The gateway's accepted connections have TCP_NODELAY set: without it, a keep-alive connection's first SSE
+    chunk waits for the client's delayed ACK (asyncio sets it only on sockets made with IPPROTO_TCP)."""
+    import asyncio
+    import socket
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from mii.serving.deployment import http_listener, http_server
+
+    app = FastAPI()
+
+    @app.get("/stream")
+    async def stream():
+        return StreamingResponse(iter(["data: a\n\n", "data: b\n\n"]), media_type="text/event-stream")
+
+    async def main() -> list[int]:
+        sock = http_listener("127.0.0.1", 0)
+        server = http_server(app)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10) as client:
+                for _ in range(2):  # one keep-alive connection, two responses
+                    async with client.stream("GET", "/stream") as r:
+                        assert [line async for line in r.aiter_lines() if line] == ["data: a", "data: b"]
+                connections = list(server.server_state.connections)
+                return [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                        for c in connections]
+        finally:
+            server.should_exit = True
+            await task
+
+    nodelay = asyncio.run(main())
+    assert len(nodelay) == 1 and nodelay[0] != 0, nodelay
