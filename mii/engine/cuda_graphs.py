@@ -155,11 +155,11 @@ class DecodeGraphs:
         return logits[torch.from_numpy(last).to(logits.device, non_blocking=True)]
 
 
-def plan_cuda_graphs(runner, plan, enabled: bool, tp=None) -> None:
+def plan_cuda_graphs(runner, plan, enabled: bool, tp_group=None) -> None:
     """On a GPU: capture the decode graphs when they apply, else say in the plan why not."""
     if not enabled:
         plan.cuda_graphs = "off: cuda_graphs=False"
-    elif tp is not None:
+    elif tp_group is not None:
         plan.cuda_graphs = "off under tensor parallelism (NCCL inside graphs is not checked yet)"
     elif plan.attention != "kernel":
         plan.cuda_graphs = "off: they need the Triton attention (padding rows skip the K/V write)"

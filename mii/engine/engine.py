@@ -53,35 +53,36 @@ class _Request:
 
 
 def finish_plan_and_build_runner(loaded, model_config: ModelConfig, plan: EnginePlan,
-                                 tp=None) -> tuple[EnginePlan, ModelRunner]:
+                                 tp_group=None) -> tuple[EnginePlan, ModelRunner]:
     """Finish the plan with what loading tells (the KV cache size, the same on every tensor-parallel rank: the
     smallest any rank can hold; the linear backend) and build the runner on it. Every rank of a group calls it;
-    `tp` is its `mii.parallel.TPGroup`."""
+    `tp_group` is its `mii.parallel.TPGroup`."""
     per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.torch_dtype)
     plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position)
     if loaded.prepacked:
         plan.linear_backend = f"oneDNN prepacked bf16 ({loaded.prepacked} weights)"
         plan.reasons["linears"] = "bf16 on CPU: blocked layout, 1.3-2x faster at decode batch sizes"
-    if tp is not None:
-        blocks = tp.min_int(plan.kv_num_blocks)
+    if tp_group is not None:
+        blocks = tp_group.min_int(plan.kv_num_blocks)
         if blocks != plan.kv_num_blocks:
             plan.kv_cache_bytes = plan.kv_cache_bytes // plan.kv_num_blocks * blocks
             plan.kv_num_blocks = blocks
             plan.reasons["kv_blocks"] += "; the smallest of the tensor-parallel ranks"
     runner = ModelRunner(loaded.model, plan.kv_num_blocks, plan.kv_block_size, plan.torch_dtype,
                          torch.device(plan.device), loaded.eos_token_ids, loaded.cfg.vocab_size,
-                         tp=tp if tp is not None and tp.rank == 0 else None, attention=plan.attention)
+                         tp_group=tp_group if tp_group is not None and tp_group.rank == 0 else None,
+                         attention=plan.attention)
     if plan.device.startswith("cuda"):
-        plan_cuda_graphs(runner, plan, model_config.cuda_graphs, tp)
+        plan_cuda_graphs(runner, plan, model_config.cuda_graphs, tp_group)
     return plan, runner
 
 
 class Engine:
-    def __init__(self, loaded, model_config: ModelConfig, plan: EnginePlan, tp=None):
+    def __init__(self, loaded, model_config: ModelConfig, plan: EnginePlan, tp_group=None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = model_config
-        self.plan, self.runner = finish_plan_and_build_runner(loaded, model_config, plan, tp)
+        self.plan, self.runner = finish_plan_and_build_runner(loaded, model_config, plan, tp_group)
         plan = self.plan
         self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size)
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)

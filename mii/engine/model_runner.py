@@ -72,11 +72,11 @@ class StepMeta:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, eos_token_ids: tuple, vocab_size: int, tp=None, attention: str = "torch"):
+                 device: torch.device, eos_token_ids: tuple, vocab_size: int, tp_group=None, attention: str = "torch"):
         self.model = model
         self.attention = attention  # "kernel" reads the varlen metadata only; "torch" needs the padded groups
         self._sampling_cache: dict = {}  # batch's sequence uids -> SamplingBatch (parameters that do not move)
-        self.tp = tp  # mii.parallel.TPGroup on rank 0 of a tensor-parallel group: steps are sent to the others
+        self.tp_group = tp_group  # mii.parallel.TPGroup on rank 0 of a TP group: steps are sent to the others
         self.block_size = block_size
         self.device = device
         self.eos = tuple(eos_token_ids)
@@ -177,10 +177,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])  # [R, V]
 
     def _forward(self, meta: StepMeta) -> Optional[torch.Tensor]:
-        if self.tp is None:
+        if self.tp_group is None:
             return self.execute(meta)
-        self.tp.send(meta)
-        with self.tp.guard():
+        self.tp_group.send(meta)
+        with self.tp_group.guard():
             return self.execute(meta)
 
     def _sampling_batch(self, seqs) -> SamplingBatch:

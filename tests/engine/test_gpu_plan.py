@@ -42,7 +42,7 @@ def test_cuda_graphs_off_and_why():
     plan_cuda_graphs(None, p, enabled=False)
     assert p.cuda_graphs == "off: cuda_graphs=False"
     p = plan()
-    plan_cuda_graphs(None, p, enabled=True, tp=object())
+    plan_cuda_graphs(None, p, enabled=True, tp_group=object())
     assert "tensor parallelism" in p.cuda_graphs
     p = plan(attention="torch")
     plan_cuda_graphs(None, p, enabled=True)
