@@ -149,10 +149,10 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
         logits = self.graphs[B].replay()  # [B, V]
-        last = meta.last
-        if len(last) == n:  # every row samples (decode): rows 0..n-1
+        logit_index = meta.logit_index
+        if len(logit_index) == n:  # every row samples (decode): rows 0..n-1
             return logits[:n]
-        return logits[torch.from_numpy(last).to(logits.device, non_blocking=True)]
+        return logits[torch.from_numpy(logit_index).to(logits.device, non_blocking=True)]
 
 
 def plan_cuda_graphs(runner, plan, enabled: bool, tp_group=None) -> None:

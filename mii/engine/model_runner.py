@@ -62,7 +62,7 @@ class StepMeta:
     positions: np.ndarray    # [T] int64
     slots: np.ndarray        # [T] int64: KV cache slot (block * block_size + offset) of each new token
     groups: list             # [GroupMeta] for the torch attention backend: decode tokens, then prompt chunks
-    last: np.ndarray         # [R] int64: flat index of the last token of each chunk that samples
+    logit_index: np.ndarray  # [R] int64: flat index of the last token of each chunk that samples
     sample_rows: np.ndarray  # [R] int64: which chunks of the batch those are
     query_start: np.ndarray  # [S + 1] int32: cumulative query lengths
     seq_lens: np.ndarray     # [S] int32: keys per sequence once this step's tokens are written
@@ -155,7 +155,7 @@ class ModelRunner:
             blocks=t(g.tables.reshape(-1)), q_pos=t(q_pos))
 
     def _inputs(self, meta: StepMeta):
-        """Device tensors of a step: (input ids [T], positions [T], AttentionContext, sampled rows' last token [R])."""
+        """Device tensors of a step: (input ids [T], positions [T], AttentionContext, logit_index [R])."""
         dev = self.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # no host sync (pageable: staged at once)
         ctx = AttentionContext(slot_mapping=to(meta.slots), block_size=self.block_size,
@@ -164,17 +164,17 @@ class ModelRunner:
                                block_tables=to(meta.block_tables),
                                max_query_len=int(np.diff(meta.query_start).max()),
                                max_seq_len=int(meta.seq_lens.max()), num_decode=meta.num_decode)
-        return to(meta.input_ids), to(meta.positions), ctx, to(meta.last)
+        return to(meta.input_ids), to(meta.positions), ctx, to(meta.logit_index)
 
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
         """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none)."""
         if self.graphs is not None and (logits := self.graphs.run(meta)) is not None:
             return logits
-        input_ids, positions, ctx, last = self._inputs(meta)
+        input_ids, positions, ctx, logit_index = self._inputs(meta)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        if not len(meta.last):
+        if not len(meta.logit_index):
             return None
-        return self.model.compute_logits(hidden[last])  # [R, V]
+        return self.model.compute_logits(hidden[logit_index])  # [R, V]
 
     def _forward(self, meta: StepMeta) -> Optional[torch.Tensor]:
         if self.tp_group is None:

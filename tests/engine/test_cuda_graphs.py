@@ -29,7 +29,7 @@ def test_bucket():
 def meta(lengths, seq_lens, width=4):
     S, T = len(lengths), sum(lengths)
     return StepMeta(input_ids=np.arange(T) + 7, positions=np.array(seq_lens) - 1 if T == S else np.arange(T),
-                    slots=np.arange(T) + 100, groups=[], last=np.cumsum(lengths) - 1, sample_rows=np.arange(S),
+                    slots=np.arange(T) + 100, groups=[], logit_index=np.cumsum(lengths) - 1, sample_rows=np.arange(S),
                     query_start=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
                     seq_lens=np.array(seq_lens, dtype=np.int32),
                     block_tables=np.arange(S * width, dtype=np.int32).reshape(S, width) + 1,
@@ -83,7 +83,7 @@ def test_replay_pads_rows_that_write_nothing_and_see_no_keys():
 def test_only_the_sampling_rows_come_back():
     g = DecodeGraphs(_Runner(), [4], max_blocks_per_seq=8, graph_cls=EagerReplay)
     m = meta([1, 1, 1], [5, 9, 30])
-    m.last, m.sample_rows = np.array([0, 2]), np.array([0, 2])  # row 1: a one-token prompt chunk, not final
+    m.logit_index, m.sample_rows = np.array([0, 2]), np.array([0, 2])  # row 1: a one-token prompt chunk, not final
     assert g.run(m)[:, 0].tolist() == [7004.0, 9029.0]
 
 
