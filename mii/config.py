@@ -40,8 +40,10 @@ class MemoryConfig(_Config):
 class StateManagerConfig(_Config):
     max_tracked_sequences: int = Field(2048, ge=1)
     """Most sequences the engine holds at once (running and waiting)."""
-    max_ragged_batch_size: int = Field(768, ge=1)
-    """Token budget of one forward pass (Dynamic SplitFuse)."""
+    max_ragged_batch_size: Optional[int] = Field(None, ge=1)
+    """Token budget of one forward pass (Dynamic SplitFuse). Unset: on CPU, the smallest budget at which this
+    machine's matmuls reach 90% of their peak rate, measured at start-up (at least 256); on GPU 768 (MII's
+    default). The engine plan shows the choice and why."""
     max_ragged_sequence_count: int = Field(512, ge=1)
     """Most sequences in one forward pass."""
     max_context: int = Field(8192, ge=1)

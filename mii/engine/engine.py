@@ -58,7 +58,8 @@ def finish_plan_and_build_runner(loaded, model_config: ModelConfig, plan: Engine
     smallest any rank can hold; the linear backend) and build the runner on it. Every rank of a group calls it;
     `tp_group` is its `mii.parallel.TPGroup`."""
     per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.torch_dtype)
-    plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position)
+    plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position,
+                       (loaded.cfg.hidden_size, loaded.cfg.intermediate_size or 4 * loaded.cfg.hidden_size))
     if loaded.prepacked:
         plan.linear_backend = f"oneDNN prepacked bf16 ({loaded.prepacked} weights)"
         plan.reasons["linears"] = "bf16 on CPU: blocked layout, 1.3-2x faster at decode batch sizes"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -157,8 +159,10 @@ def plan_attention(plan: EnginePlan) -> None:
                                      "Triton kernels: KV blocks read in place, a ragged step in one or two launches")
 
 
-def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, model_max_context: int) -> EnginePlan:
-    """KV block size and count, token budget and context, once the model's KV size per token is known."""
+def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, model_max_context: int,
+                layer_shape: Optional[tuple] = None) -> EnginePlan:
+    """KV block size and count, token budget and context, once the model's KV size per token (and its
+    (hidden, intermediate) size, for the token budget's probe) is known."""
     sm = cfg.inference_engine_config.state_manager
     plan.max_context = min(sm.max_context, model_max_context)
     if sm.max_context > model_max_context:
@@ -190,6 +194,47 @@ def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, 
         raise KVCacheError(f"the KV cache gets {plan.kv_num_blocks} blocks of {plan.kv_block_size} tokens: "
                            f"too small for even one sequence (memory_config={mem.model_dump()})")
     plan.kv_cache_bytes = plan.kv_num_blocks * block_bytes
-    plan.max_batch_tokens = sm.max_ragged_batch_size
+    plan.max_batch_tokens = sm.max_ragged_batch_size or plan_token_budget(plan, *(layer_shape or (0, 0)))
     plan.max_batch_seqs = sm.max_ragged_sequence_count
     return plan
+
+
+TOKEN_BUDGETS = (64, 128, 256, 512, 768)
+MIN_CPU_TOKEN_BUDGET = 256  # below this, a step could not give every running sequence of a busy server its token
+
+
+def plan_token_budget(plan: EnginePlan, hidden: int, intermediate: int) -> int:
+    """The token budget when the config leaves it unset. A step's cost grows with its tokens while the matmul
+    rate saturates: past the knee, a bigger budget only makes steps (and the waits of running streams) longer.
+    On CPU, measure the rate of the layer's gate/up matmul at each candidate size now, and take the smallest
+    that reaches 90% of the best (at least MIN_CPU_TOKEN_BUDGET)."""
+    if plan.device.startswith("cuda"):
+        plan.reasons["token budget"] = "auto: MII's 768 on GPU"
+        return 768
+    if not hidden or (plan.dtype != "float32" and not cpu_has_fast_bf16()):
+        plan.reasons["token budget"] = f"auto: {MIN_CPU_TOKEN_BUDGET} (no probe for this dtype on this CPU)"
+        return MIN_CPU_TOKEN_BUDGET
+    rates = matmul_rates(min(hidden, 1024), min(2 * intermediate, 4096), plan.torch_dtype)
+    peak = max(rates.values())
+    knee = min(m for m, r in rates.items() if r >= 0.9 * peak)
+    budget = max(knee, MIN_CPU_TOKEN_BUDGET)
+    plan.reasons["token budget"] = (f"auto: matmul rate saturates at {knee} rows on this CPU (measured now: "
+                                    + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in rates.items())
+                                    + f" GFLOP/s){'' if budget == knee else f'; at least {budget}'}")
+    return budget
+
+
+def matmul_rates(k: int, n: int, dtype: torch.dtype, repeat: int = 3) -> dict:
+    """FLOP/s of x [m, k] @ w.T [k, n] for each candidate m, best of `repeat`."""
+    w = torch.rand(n, k).to(dtype)
+    rates = {}
+    for m in TOKEN_BUDGETS:
+        x = torch.rand(m, k).to(dtype)
+        torch.nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - t)
+        rates[m] = 2 * m * k * n / best
+    return rates
