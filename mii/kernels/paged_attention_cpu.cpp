@@ -25,6 +25,9 @@ constexpr int kQueryTile = 16;  // query tokens per work item (prompt chunks)
 constexpr int kMaxRows = 128;   // query tokens x heads per kv head in one tile
 // built with -ffast-math (vectorized exp and reductions): no infinities anywhere, a finite "minus infinity"
 constexpr float kNegBig = -1e30f;
+// prompt chunks of at least this many tokens go through a contiguous copy of their sequence's K/V and ATen's
+// flash attention (GEMM-based: ~3x this file's loop at 256+ queries); the copy is O(keys), the work O(queries x keys)
+constexpr int kPromptChunk = 16;
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -50,9 +53,9 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
   // work items: (sequence, kv head, query tile)
   std::vector<int64_t> item_start(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
+  for (int64_t s = 0; s < num_seqs; ++s) {  // (prompt chunks of kPromptChunk+ tokens: prompt_chunk())
     int64_t ql = query_start[s + 1] - query_start[s];
-    item_start[s + 1] = item_start[s] + n_kv * ((ql + tile - 1) / tile);
+    item_start[s + 1] = item_start[s] + (ql >= kPromptChunk ? 0 : n_kv * ((ql + tile - 1) / tile));
   }
   const int64_t kv_row = n_kv * d;  // elements between consecutive slots of the cache
   const int64_t B = block_size;
@@ -154,6 +157,30 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
 
 }  // namespace
 
+// One sequence's prompt chunk (its queries [Q, h, d]) against all its keys: the sequence's blocks copied into a
+// contiguous [kvh, L, d] once, then ATen's SDPA with the causal (and window) mask at the chunk's offset.
+void prompt_chunk(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  int64_t q0, int64_t q1, int64_t len, const at::Tensor& table, double scale, int64_t window) {
+  const int64_t B = k_cache.size(1), kvh = k_cache.size(2), d = k_cache.size(3), Q = q1 - q0;
+  const int64_t nb = (len + B - 1) / B;
+  auto blocks = table.narrow(0, 0, nb).to(at::kLong);
+  auto keys = [&](const at::Tensor& cache) {  // [1, kvh, L, d]
+    return cache.index_select(0, blocks).view({nb * B, kvh, d}).narrow(0, 0, len).permute({1, 0, 2}).unsqueeze(0);
+  };
+  auto qs = q.narrow(0, q0, Q).permute({1, 0, 2}).unsqueeze(0);  // [1, h, Q, d]
+  c10::optional<at::Tensor> mask;
+  if (window > 0 || Q != len) {
+    auto qpos = at::arange(len - Q, len, q.options().dtype(at::kLong)).unsqueeze(1);
+    auto kpos = at::arange(len, q.options().dtype(at::kLong)).unsqueeze(0);
+    auto allowed = kpos <= qpos;
+    if (window > 0) allowed = allowed & (kpos > qpos - window);
+    mask = allowed;
+  }
+  auto o = at::scaled_dot_product_attention(qs, keys(k_cache), keys(v_cache), mask, 0.0,
+                                            /*is_causal=*/!mask.has_value(), scale, /*enable_gqa=*/true);
+  out.narrow(0, q0, Q).copy_(o.squeeze(0).permute({1, 0, 2}));
+}
+
 // this step's keys (or values) [T, kvh, d] into their cache slots
 template <typename T>
 void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, int64_t row) {
@@ -191,6 +218,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
                        v_cache.data_ptr<scalar_t>(), qs.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
                        bt.data_ptr<int32_t>(), S, bt.size(1), h, kvh, d, bs, scale, window, q.stride(0), h * d);
   });
+  const int32_t* qsp = qs.data_ptr<int32_t>();
+  for (int64_t i = 0; i < S; ++i) {
+    if (qsp[i + 1] - qsp[i] >= kPromptChunk)
+      prompt_chunk(q, out, k_cache, v_cache, qsp[i], qsp[i + 1], sl.data_ptr<int32_t>()[i], bt[i], scale, window);
+  }
   return out.view({T, h * d});
 }
 

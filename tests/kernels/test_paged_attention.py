@@ -36,8 +36,9 @@ def test_matches_reference(dtype, tol, block_size, window, heads):
     h, kvh, d, num_blocks = heads[0], heads[1], 64, 64
     k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # (tokens already cached, new tokens): decode rows first, then prompt chunks, some starting mid-sequence
-    specs = [(40, 1), (5, 1), (31, 1), (0, 37), (70, 20), (block_size, block_size + 3)]
+    # (tokens already cached, new tokens): decode rows first, then prompt chunks, some starting mid-sequence;
+    # short chunks (< 16 tokens) take the in-place loop, longer ones a contiguous copy and ATen's SDPA
+    specs = [(40, 1), (5, 1), (31, 1), (0, 37), (70, 20), (block_size, block_size + 3), (10, 5), (0, 9), (44, 15)]
     free = torch.randperm(num_blocks).tolist()
     tables, slots = [], []
     for prev, new in specs:
