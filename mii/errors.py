@@ -65,7 +65,10 @@ class TensorParallelError(MIIError, RuntimeError):
 def error_info(e: BaseException) -> dict:
     """A JSON-able description of an exception, enough to raise the same typed mii error in another process
     (across gRPC, or from a child process's start-up error file)."""
-    info = {"type": type(e).__name__, "message": str(e) if isinstance(e, MIIError) else f"{type(e).__name__}: {e}"}
+    # a foreign exception keeps its name only in the message: a same-named mii class (pydantic's ValidationError
+    # vs ours) must not be rebuilt from it
+    info = {"type": type(e).__name__ if isinstance(e, MIIError) else "MIIError",
+            "message": str(e) if isinstance(e, MIIError) else f"{type(e).__name__}: {e}"}
     if isinstance(e, ValidationError):
         info.update(field=e.field, detail=str(e)[len(e.field) + 2:])
     if isinstance(e, PromptTooLongError):

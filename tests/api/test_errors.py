@@ -58,3 +58,21 @@ def test_bad_pipeline_arguments(default_model_path):
         mii.pipeline(default_model_path, dtype="int3")
     with pytest.raises(UnknownArgument, match="kv_blocks"):
         mii.pipeline(default_model_path, inference_engine_config={"state_manager": {"kv_blocks": 3}})
+
+
+def test_error_info_round_trip_across_processes():
+    """Errors cross processes as JSON: mii's typed errors come back typed; a foreign exception that shares a
+    mii class's name (pydantic's ValidationError) comes back as MIIError with its name in the message."""
+    import pydantic
+
+    from mii.errors import MIIError, PromptTooLongError, ValidationError, error_from_info, error_info
+
+    e = error_from_info(error_info(ValidationError("top_p", "must be in (0, 1]")))
+    assert isinstance(e, ValidationError) and e.field == "top_p" and "(0, 1]" in str(e)
+    e = error_from_info(error_info(PromptTooLongError(9000, 8192)))
+    assert isinstance(e, PromptTooLongError) and "8192" in str(e)
+    try:
+        pydantic.TypeAdapter(int).validate_python("x")
+    except pydantic.ValidationError as foreign:
+        e = error_from_info(error_info(foreign))
+    assert type(e) is MIIError and str(e).startswith("ValidationError: ")
