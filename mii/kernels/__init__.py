@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Optional
@@ -70,6 +71,17 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it next to this Python, which
+    is not on PATH when the venv is not activated (`.venv/bin/python -m ...`)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def load_cpu_kernels() -> Optional[str]:
     """Build (first time on this machine) or load the CPU kernels; returns None when ready, else the reason."""
     with _lock:
@@ -77,6 +89,8 @@ def load_cpu_kernels() -> Optional[str]:
             return _state["error"]
         try:
             from torch.utils import cpp_extension
+
+            _ninja_on_path()
 
             # the build is specific to this torch, this source and this CPU's instruction set (-march=native)
             key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()
