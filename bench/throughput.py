@@ -1,12 +1,20 @@
-"""W64 offline throughput (SPEC §7): mii vs Hugging Face `transformers` `generate` (static batches of 16), in
-the same run, against this machine's compute floor (a bf16 matmul probe run in this process); plus
-single-stream decode. Ratios are the result; absolute numbers depend on the machine and its load.
+"""Offline speed in one run (SPEC §7, issue "Fast on CPU"): W64 against this machine's compute floor (a matmul
+probe run in this process) and against Hugging Face `transformers` `generate` (static batches of 16);
+single-stream decode (128-token prompt, 256 new tokens) against the weight-bandwidth floor (a copy probe);
+prefill of a 512-token prompt (pp512); time to first token; cold and warm start-up. With `--compare-torch`,
+the same W64 and single stream through the torch reference backends (MII_KERNELS=0) in the same run, so
+the kernels' gain is a same-run ratio. Ratios are the result: absolute numbers depend on the machine and
+its load.
 
-    .venv/bin/python -m bench.throughput [--skip-hf] [--requests 64]
+    .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--requests 64]
 """
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -15,7 +23,7 @@ import mii
 from bench.workloads import copy_gbps, matmul_gflops, w64, workload_flops
 
 
-def run_mii(pipe, prompts, outputs) -> float:
+def run_w64(pipe, prompts, outputs) -> float:
     t = time.perf_counter()
     res = pipe(prompts, max_new_tokens=outputs, ignore_eos=True, do_sample=False)
     wall = time.perf_counter() - t
@@ -23,13 +31,13 @@ def run_mii(pipe, prompts, outputs) -> float:
     return wall
 
 
-def run_hf(model_path: str, prompts, outputs, batch: int = 16) -> float:
+def run_hf(model_path: str, prompts, outputs, dtype: torch.dtype, batch: int = 16) -> float:
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     path = Path(model_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None
     t = time.perf_counter()
@@ -43,49 +51,122 @@ def run_hf(model_path: str, prompts, outputs, batch: int = 16) -> float:
     return time.perf_counter() - t
 
 
-def single_stream(pipe, new_tokens: int = 128) -> tuple[float, float]:
-    """(time to first token for a 128-token prompt, decode tokens/s after it)."""
-    prompt = list(range(1000, 1128))
+def single_stream(pipe, prompt_len: int = 128, new_tokens: int = 256) -> tuple[float, float]:
+    """(time to first token, decode tokens/s after it) for one request alone."""
+    prompt = list(range(1000, 1000 + prompt_len))
     t = time.perf_counter()
     first = None
-    for chunk in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
+    for _ in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
         if first is None:
             first = time.perf_counter()
     end = time.perf_counter()
     return first - t, (new_tokens - 1) / (end - first)
 
 
+def prefill_rate(pipe, n: int = 512, repeat: int = 3) -> float:
+    """pp512: prompt tokens/s for one n-token prompt (its time to first token, best of `repeat`)."""
+    prompt = list(range(2000, 2000 + n))
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        pipe(prompt, max_new_tokens=1, do_sample=False)
+        best = min(best, time.perf_counter() - t)
+    return n / best
+
+
+def startup_times(dtype: str, threads: int) -> tuple[float, float]:
+    """(cold, warm) seconds from a new process to a ready pipeline: cold with an empty mii cache (the GGUF
+    conversion and the CPU kernels' build), warm with the cache the cold start left."""
+    code = ("import time; t = time.perf_counter(); import mii; "
+            f"mii.pipeline(dtype={dtype!r}, num_threads={threads}); print(time.perf_counter() - t)")
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, MII_CACHE_DIR=cache)
+        times = []
+        for _ in range(2):
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            times.append(float(out.stdout.strip().splitlines()[-1]))
+    return times[0], times[1]
+
+
+def weight_bytes(pipe) -> int:
+    """Bytes of weights a decode step reads: every parameter and prepacked weight once (tied ones once)."""
+    seen, total = set(), 0
+    for m in pipe.engine.runner.model.modules():
+        for t in list(m.parameters(recurse=False)) + ([m.packed] if getattr(m, "packed", None) is not None else []):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def measure(pipe, prompts, outputs, label: str) -> dict:
+    run_w64(pipe, prompts[:4], [8] * min(4, len(prompts)))  # warm-up
+    r = {"w64": run_w64(pipe, prompts, outputs)}
+    r["ttft"], r["decode"] = single_stream(pipe)
+    r["pp512"] = prefill_rate(pipe)
+    print(f"{label:<14} W64 {r['w64']:6.1f} s | single stream: first token {r['ttft'] * 1000:4.0f} ms, "
+          f"decode {r['decode']:6.1f} tok/s | pp512 {r['pp512']:6.0f} tok/s", flush=True)
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--compare-torch", action="store_true",
+                    help="also run the torch reference backends (MII_KERNELS=0) in the same run")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (the engine plan's choice), bfloat16 or float32")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads for both systems (default: all cores); 1 keeps ratios stable on a busy machine")
+                    help="torch threads for every system (default: all cores); 1 keeps ratios stable on a busy machine")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
 
     prompts, outputs = w64(args.requests)
     n_in, n_out = sum(map(len, prompts)), sum(outputs)
     print(f"W64: {len(prompts)} requests, {n_in} prompt tokens, {n_out} output tokens, greedy, EOS ignored")
-    gflops = matmul_gflops(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
-    print(f"machine: {args.dtype} matmul {gflops:.0f} GFLOP/s, copy {copy_gbps():.0f} GB/s, {torch.get_num_threads()} threads")
-
-    pipe = mii.pipeline(dtype=args.dtype, num_threads=torch.get_num_threads())
-    run_mii(pipe, prompts[:4], [8] * min(4, len(prompts)))  # warm-up
+    pipe = mii.pipeline(dtype=args.dtype, num_threads=threads)
+    plan = pipe.engine_plan
+    dtype = plan.torch_dtype
+    gflops, gbps = matmul_gflops(dtype), copy_gbps()
+    print(f"machine: {plan.dtype} matmul {gflops:.0f} GFLOP/s, copy {gbps:.0f} GB/s, {threads} threads; "
+          f"plan: attention {plan.attention}, token budget {plan.max_batch_tokens}", flush=True)
     floor = workload_flops(pipe.engine.loaded.cfg, prompts, outputs) / (gflops * 1e9)
-    wall = run_mii(pipe, prompts, outputs)
-    print(f"mii:           {wall:7.1f} s  {n_out / wall:7.1f} output tok/s  "
-          f"{(n_in + n_out) / wall:7.1f} total tok/s  = {floor / wall:5.1%} of the compute floor ({floor:.1f} s)")
-    ttft, decode = single_stream(pipe)
-    print(f"mii single stream: first token {ttft * 1000:.0f} ms after a 128-token prompt, decode {decode:.1f} tok/s")
-    pipe.destroy()
+    bw_floor = gbps * 1e9 / weight_bytes(pipe)
 
+    results = {"mii": measure(pipe, prompts, outputs, "mii")}
+    pipe.destroy()
+    if args.compare_torch:
+        os.environ["MII_KERNELS"] = "0"
+        torch_pipe = mii.pipeline(dtype=args.dtype, num_threads=threads)
+        del os.environ["MII_KERNELS"]
+        results["torch"] = measure(torch_pipe, prompts, outputs, "mii (torch)")
+        torch_pipe.destroy()
+    hf = None
     if not args.skip_hf:
-        hf = run_hf(mii.default_model(), prompts, outputs)
-        print(f"transformers:  {hf:7.1f} s  {n_out / hf:7.1f} output tok/s  (static batches of 16)")
-        print(f"ratio: mii is {hf / wall:.2f}x transformers generate on W64")
+        hf = run_hf(mii.default_model(), prompts, outputs, dtype)
+        print(f"{'transformers':<14} W64 {hf:6.1f} s (generate, static batches of 16)", flush=True)
+    cold = warm = None
+    if not args.skip_startup:
+        cold, warm = startup_times(plan.dtype, threads)
+
+    r = results["mii"]
+    print("\nsummary (same-run ratios)")
+    print(f"  W64 wall time             {r['w64']:7.1f} s = {r['w64'] / floor:5.1f}x the compute floor ({floor:.1f} s)")
+    if hf:
+        print(f"  W64 vs transformers       {hf / r['w64']:7.2f}x faster")
+    if "torch" in results:
+        t = results["torch"]
+        print(f"  kernels vs torch backends W64 {t['w64'] / r['w64']:.2f}x, decode {r['decode'] / t['decode']:.2f}x, "
+              f"pp512 {r['pp512'] / t['pp512']:.2f}x")
+    print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
+          f"floor ({bw_floor:.0f} tok/s)")
+    print(f"  time to first token       {r['ttft'] * 1000:7.0f} ms (128-token prompt)")
+    print(f"  pp512                     {r['pp512']:7.0f} tok/s")
+    if cold is not None:
+        print(f"  start-up                  cold {cold:.1f} s (empty cache: GGUF conversion, kernel build), warm {warm:.1f} s")
 
 
 if __name__ == "__main__":
