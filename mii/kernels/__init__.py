@@ -98,7 +98,7 @@ def load_cpu_kernels() -> Optional[str]:
             build = cache_dir() / "kernels" / key
             build.mkdir(parents=True, exist_ok=True)
             if not (build / "mii_cpu_kernels.so").exists():
-                log.info("mii: building the CPU kernels (once per machine, ~1-2 min) in %s", build)
+                log.info("mii: building the CPU kernels (once per machine, under a minute) in %s", build)
             cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)

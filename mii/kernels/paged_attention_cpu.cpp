@@ -6,7 +6,8 @@
 // sliding window. No gathered copy of the blocks, no [S, L] mask. Work items are (sequence, kv head, tile of
 // queries); the query heads that share a kv head are processed together, so each key row is loaded once for
 // all of them.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
