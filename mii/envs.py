@@ -34,6 +34,15 @@ def ranks_on_this_host(tensor_parallel: int) -> int:
     return tensor_parallel
 
 
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags (/proc/cpuinfo), empty where that cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return frozenset()
+
+
 def kernels_disabled() -> bool:
     """MII_KERNELS=0 keeps the torch reference backends (attention: gathered blocks + SDPA), for comparison or
     where our kernels cannot run."""

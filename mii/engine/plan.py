@@ -7,12 +7,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from mii.config import ModelConfig
-from mii.envs import kernels_disabled, ranks_on_this_host
+from mii.envs import cpu_flags, kernels_disabled, ranks_on_this_host
 from mii.errors import KVCacheError, ValidationError
 
 log = logging.getLogger("mii")
@@ -63,12 +62,7 @@ class EnginePlan:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def _available_ram() -> int:
@@ -160,7 +154,7 @@ def plan_attention(plan: EnginePlan) -> None:
 
 
 def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, model_max_context: int,
-                layer_shape: Optional[tuple] = None) -> EnginePlan:
+                layer_shape: tuple) -> EnginePlan:
     """KV block size and count, token budget and context, once the model's KV size per token (and its
     (hidden, intermediate) size, for the token budget's probe) is known."""
     sm = cfg.inference_engine_config.state_manager
@@ -194,7 +188,7 @@ def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, 
         raise KVCacheError(f"the KV cache gets {plan.kv_num_blocks} blocks of {plan.kv_block_size} tokens: "
                            f"too small for even one sequence (memory_config={mem.model_dump()})")
     plan.kv_cache_bytes = plan.kv_num_blocks * block_bytes
-    plan.max_batch_tokens = sm.max_ragged_batch_size or plan_token_budget(plan, *(layer_shape or (0, 0)))
+    plan.max_batch_tokens = sm.max_ragged_batch_size or plan_token_budget(plan, *layer_shape)
     plan.max_batch_seqs = sm.max_ragged_sequence_count
     return plan
 
@@ -211,7 +205,7 @@ def plan_token_budget(plan: EnginePlan, hidden: int, intermediate: int) -> int:
     if plan.device.startswith("cuda"):
         plan.reasons["token budget"] = "auto: MII's 768 on GPU"
         return 768
-    if not hidden or (plan.dtype != "float32" and not cpu_has_fast_bf16()):
+    if plan.dtype != "float32" and not cpu_has_fast_bf16():
         plan.reasons["token budget"] = f"auto: {MIN_CPU_TOKEN_BUDGET} (no probe for this dtype on this CPU)"
         return MIN_CPU_TOKEN_BUDGET
     rates = matmul_rates(min(hidden, 1024), min(2 * intermediate, 4096), plan.torch_dtype)

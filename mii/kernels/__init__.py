@@ -9,8 +9,8 @@ The ops are defined here; their CPU kernels are C++, built once per machine with
 `~/.cache/mii/kernels` (`$MII_CACHE_DIR`). Why our own: no maintained package offers CPU paged attention for
 current PyTorch without bringing a whole serving framework, and `flex_attention` on CPU only runs fast as a
 compiled template (one compile per shape, ~1.4-2.1 ms a call measured here), too slow for decode. When the
-kernel cannot be built (no compiler), `available()` is False with the reason, and the engine keeps the torch
-backend (gathered blocks + SDPA).
+kernels cannot be built (no compiler), `load_cpu_kernels()` returns the reason, and the engine keeps the torch
+backends (gathered blocks + SDPA, eager element-wise ops).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from mii.envs import cache_dir
+from mii.envs import cache_dir, cpu_flags
 
 log = logging.getLogger("mii")
 
@@ -32,8 +32,6 @@ _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
             "float scale, int window) -> Tensor")
-
-
 _lib.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)")
 _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()")
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
@@ -63,14 +61,6 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def _ninja_on_path() -> None:
     """cpp_extension runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it next to this Python, which
     is not on PATH when the venv is not activated (`.venv/bin/python -m ...`)."""
@@ -94,7 +84,7 @@ def load_cpu_kernels() -> Optional[str]:
 
             # the build is specific to this torch, this source and this CPU's instruction set (-march=native)
             key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()
-                                 + _cpu_flags().encode()).hexdigest()[:16]
+                                 + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
             build = cache_dir() / "kernels" / key
             build.mkdir(parents=True, exist_ok=True)
             if not (build / "mii_cpu_kernels.so").exists():

@@ -99,9 +99,6 @@ class RotaryEmbedding(nn.Module):
         if self.fused:
             torch.ops.mii.rotary_(q, k, positions, self.cos, self.sin)
             return q, k
-        if torch.compiler.is_compiling():  # a compiled graph looks the table up once anyway (CSE)
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-            return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
         if positions is not self._positions:  # the table lookup is done once per step, not once per layer
             self._positions = positions
             self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, rot/2]
