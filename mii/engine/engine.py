@@ -134,6 +134,15 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def num_queued(self, requests: list[EngineRequest] = ()) -> int:
+        """Sequences that would wait for room (a running slot, KV blocks) if `requests` were added now; what a
+        server's `max_waiting_requests` bounds."""
+        return self.scheduler.num_queued(len(r.prompt_ids) for r in requests)
+
     # --- the loop ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

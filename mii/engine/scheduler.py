@@ -9,8 +9,10 @@ generated tokens. Pure Python, tested without a model.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from mii.engine.kv_cache import KVCacheManager
 from mii.engine.sequence import Sequence, SeqStatus
@@ -50,6 +52,23 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def num_queued(self, new_lengths: Iterable[int] = ()) -> int:
+        """Sequences that would wait for room if prompts of `new_lengths` tokens arrived now: in arrival order,
+        each waiting sequence (then each new one) takes a free running slot and the KV blocks of its tokens; from
+        the first that finds no room on, they queue. What admission bounds: a burst into an idle engine is about
+        to run, not waiting, even before the step that starts it."""
+        slots = self.max_batch_seqs - len(self.running)
+        free = self.kv.allocator.num_free
+        block = self.kv.block_size
+        queued = 0
+        for n in itertools.chain((s.num_tokens for s in self.waiting), new_lengths):
+            need = -(-n // block)
+            if queued or slots == 0 or need > free:
+                queued += 1
+            else:
+                slots, free = slots - 1, free - need
+        return queued
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

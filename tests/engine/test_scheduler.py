@@ -128,3 +128,19 @@ def test_no_deadlock_when_prompts_fill_the_cache():
     assert all(q.status is SeqStatus.FINISHED for q in seqs)
     assert all(q.token_ids[10:] == [7, 7] for q in seqs)
     assert kv.allocator.num_free == 6
+
+
+def test_num_queued_counts_what_finds_no_room():
+    """Admission bounds sequences that would wait for room, not those that arrived since the last step: a burst
+    into an idle engine that fits its running slots and KV blocks queues nothing."""
+    kv = KVCacheManager(10, 4)  # 40 tokens
+    s = Scheduler(kv, max_batch_tokens=8, max_batch_seqs=3)
+    assert s.num_queued([4, 4, 4]) == 0              # 3 slots, 3 of 10 blocks
+    assert s.num_queued([4, 4, 4, 4]) == 1           # a 4th finds no slot
+    assert s.num_queued([20, 20, 4]) == 1            # 5 + 5 blocks fill the cache
+    assert s.num_queued([20, 24, 4]) == 2            # 6 blocks do not fit; first come first served: nor does 4
+    for i in range(3):
+        s.add(seq(i, 4))
+    assert s.num_queued() == 0 and len(s.waiting) == 3  # waiting, but about to run: not queued
+    run_step(s)                                          # budget 8: two start, the third still waits
+    assert len(s.running) == 2 and s.num_queued() == 0 and s.num_queued([4]) == 1
