@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from mii.errors import UnknownArgument, ValidationError
 
 DEVICE_MAP_DEFAULT = "auto"
+HOSTFILE_DEFAULT = "/job/hostfile"  # MII's
 
 
 class TaskType(str, Enum):
@@ -89,20 +90,28 @@ class ModelConfig(_Config):
     all_rank_output: bool = False
     """Under torchrun: every rank's pipeline call returns rank 0's results (otherwise the other ranks get [])."""
     sync_debug: bool = False
-    """MII's field (synchronize the device after every step, for debugging); only False is supported."""
+    """MII's field (synchronize the device after every step, for debugging); only False is supported: run with
+    CUDA_LAUNCH_BLOCKING=1 instead."""
     profile_model_time: bool = False
-    """MII's field (time each forward and report it as `model_time_taken`); only False is supported."""
+    """MII's field (time each forward and report it as `model_time_taken`); only False is supported: the
+    deployment's `/metrics` has time to first token, inter-token and end-to-end latency histograms."""
     num_threads: Optional[int] = Field(None, ge=1)
     """CPU threads of each engine process (each tensor-parallel rank); the cores divided between the processes
     on this host when unset."""
-    seed: int = 0
-    """Seed of the sampling noise for requests that do not give their own `seed`."""
+    seed: Optional[int] = None
+    """Seed of the stream of sampling seeds given to requests that do not bring their own `seed`. None (the
+    default): fresh entropy in every process, so every run and every replica samples differently; a number makes
+    a deployment's samples reproducible."""
 
     @field_validator("sync_debug", "profile_model_time")
     @classmethod
     def _not_implemented(cls, v, info):
+        instead = {"sync_debug": "run with CUDA_LAUNCH_BLOCKING=1 to synchronize after every kernel",
+                   "profile_model_time": "read the latency histograms of the deployment's /metrics, or use "
+                                         "torch.profiler around mii.pipeline calls"}
         if v:
-            raise ValueError(f"{info.field_name}=True is not supported (MII's debugging option; only False)")
+            raise ValueError(f"{info.field_name}=True is not supported (MII's debugging option); "
+                             f"{instead[info.field_name]}")
         return v
 
     @field_validator("device")
@@ -131,6 +140,7 @@ class MIIConfig(_Config):
     deployment_name: str = ""
     """Name that `mii.client(name)` finds the deployment by; `<model basename>-mii-deployment` when empty."""
     deployment_type: DeploymentType = DeploymentType.LOCAL
+    """MII's field; only `local` (processes on this host) is supported: AzureML deployments (`aml`) are not."""
     port_number: int = Field(50050, ge=1, le=65535)
     """gRPC port of the deployment's load balancer (MII's service)."""
     enable_restful_api: bool = False
@@ -139,7 +149,9 @@ class MIIConfig(_Config):
     """Address the HTTP and gRPC servers bind to (loopback unless told otherwise)."""
     restful_api_port: int = Field(28080, ge=1, le=65535)
     """HTTP port (REST gateway and OpenAI API)."""
-    hostfile: str = "/job/hostfile"
+    hostfile: str = HOSTFILE_DEFAULT
+    """MII's field (DeepSpeed's multi-node hostfile); only its default is accepted: a deployment runs on this
+    host (`replica_num` engines of `tensor_parallel` processes each)."""
     max_waiting_requests: Optional[int] = Field(None, ge=0)
     """Requests an engine may hold waiting for a slot before new ones are refused at once (gRPC RESOURCE_EXHAUSTED,
     HTTP 429); unbounded (up to `max_tracked_sequences`) when unset."""
@@ -149,6 +161,22 @@ class MIIConfig(_Config):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
                               populate_by_name=True)
+
+    @field_validator("deployment_type", mode="before")
+    @classmethod
+    def _local_only(cls, v):
+        if str(getattr(v, "value", v)).lower() != DeploymentType.LOCAL.value:
+            raise ValueError(f"deployment_type={v!r} is not supported: only 'local' (processes on this host; "
+                             "AzureML deployments are not)")
+        return v
+
+    @field_validator("hostfile")
+    @classmethod
+    def _one_host(cls, v):
+        if v != HOSTFILE_DEFAULT:
+            raise ValueError(f"hostfile={v!r} is not supported: a deployment runs on this host only; use "
+                             "replica_num and tensor_parallel to use more of its devices")
+        return v
 
 
 def _split_known(cls: type[BaseModel], kwargs: dict) -> tuple[dict, dict]:

@@ -1,4 +1,5 @@
 """Typed exceptions raised by mii's public entry points."""
+from typing import Optional
 
 
 class MIIError(Exception):
@@ -18,16 +19,22 @@ class ValidationError(MIIError, ValueError):
 
 
 class PromptTooLongError(ValidationError):
-    """A prompt that does not fit in the model's context."""
+    """A request that does not fit in the model's context: the prompt alone, or the prompt plus an explicit
+    number of tokens to generate (`completion_tokens`; OpenAI's and vLLM's message)."""
 
-    def __init__(self, prompt_length: int, max_context: int):
+    def __init__(self, prompt_length: int, max_context: int, completion_tokens: Optional[int] = None):
         self.prompt_length = prompt_length
         self.max_context = max_context
-        super().__init__(
-            "prompt",
-            f"This model's maximum context length is {max_context} tokens, "
-            f"but the prompt has {prompt_length} tokens.",
-        )
+        self.completion_tokens = completion_tokens
+        if completion_tokens is None:
+            message = (f"This model's maximum context length is {max_context} tokens. However, the prompt has "
+                       f"{prompt_length} tokens. Please reduce the length of the prompt.")
+        else:
+            message = (f"This model's maximum context length is {max_context} tokens. However, you requested "
+                       f"{prompt_length + completion_tokens} tokens ({prompt_length} in the prompt, "
+                       f"{completion_tokens} for the completion). Please reduce the length of the prompt or "
+                       "of the completion.")
+        super().__init__("prompt", message)
 
 
 class ModelLoadError(MIIError, ValueError):
@@ -58,6 +65,11 @@ class ServerOverloadedError(MIIError, RuntimeError):
     """The server's queue of waiting requests is full; retry later (HTTP 429)."""
 
 
+class EngineStepError(MIIError, RuntimeError):
+    """A request failed inside an engine step (a bug, or a fault of the device): only the requests named in it
+    are dropped; the message says what failed."""
+
+
 class TensorParallelError(MIIError, RuntimeError):
     """A tensor-parallel rank failed (died, or could not join its group); the group is down."""
 
@@ -72,14 +84,14 @@ def error_info(e: BaseException) -> dict:
     if isinstance(e, ValidationError):
         info.update(field=e.field, detail=str(e)[len(e.field) + 2:])
     if isinstance(e, PromptTooLongError):
-        info.update(prompt_length=e.prompt_length, max_context=e.max_context)
+        info.update(prompt_length=e.prompt_length, max_context=e.max_context, completion_tokens=e.completion_tokens)
     return info
 
 
 def error_from_info(info: dict) -> Exception:
     kind = info.get("type")
     if kind == "PromptTooLongError":
-        return PromptTooLongError(info["prompt_length"], info["max_context"])
+        return PromptTooLongError(info["prompt_length"], info["max_context"], info.get("completion_tokens"))
     if "field" in info:
         return ValidationError(info["field"], info["detail"])
     cls = globals().get(kind or "")

@@ -113,7 +113,11 @@ class MIIPipeline:
         try:
             while not outputs.finished:
                 if box:
-                    yield box.popleft()
+                    group = box.popleft()
+                    failed = next((o.error for o in group if o.error is not None), None)
+                    if failed is not None:  # the engine dropped that sequence; the rest of the call is aborted
+                        raise failed
+                    yield group
                 else:
                     self._step()
         finally:

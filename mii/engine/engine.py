@@ -3,6 +3,10 @@
 Narrow API (after DeepSpeed inference v2): `add_requests`, `step`, `abort`, `has_unfinished`. The engine owns the
 scheduler (pure Python), the model runner (tensors) and one detokenizer per request. It admits `EngineRequest`s
 that `mii.engine.requests` validated against its `limits`, and checks nothing of them again.
+
+A step that fails costs only the requests that make it fail: the step is run again in halves until each failure
+is pinned to one sequence, which ends with an `EngineStepError` in its output; the others go on. Under tensor
+parallelism the ranks must run the same steps, so a failure is raised to the caller as it is.
 """
 from __future__ import annotations
 
@@ -21,9 +25,9 @@ from mii.engine.kv_cache import KVCacheManager
 from mii.engine.model_runner import ModelRunner
 from mii.engine.plan import EnginePlan, plan_device, plan_memory
 from mii.engine.requests import EngineRequest, RequestLimits
-from mii.engine.scheduler import Scheduler
+from mii.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from mii.engine.sequence import Sequence
-from mii.errors import KVCacheError
+from mii.errors import EngineStepError, KVCacheError
 from mii.response import FinishReason
 
 log = logging.getLogger("mii")
@@ -44,6 +48,8 @@ class RequestOutput:
     generated_length: int
     logprobs: list = field(default_factory=list)
     """Per new token: (token id, logprob, {top id: logprob}) when the request asked for logprobs."""
+    error: Optional[EngineStepError] = None
+    """Set when the request failed inside a step: it is finished and gone from the engine (finish_reason NONE)."""
 
 
 @dataclass
@@ -87,10 +93,13 @@ class Engine:
         plan = self.plan
         self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size)
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)
+        if self.kv.capacity_tokens < plan.max_context:  # a longer sequence could never run
+            plan.max_context = self.kv.capacity_tokens
+            plan.reasons["max context"] = f"capped by the KV cache ({plan.kv_num_blocks} blocks of {plan.kv_block_size})"
         self.eos = frozenset(loaded.eos_token_ids)
         self.requests: dict[int, _Request] = {}
         self._uids = itertools.count()
-        self._seed_rng = random.Random(model_config.seed)
+        self._seed_rng = random.Random(model_config.seed)  # None: fresh entropy in every process
         self.max_tracked = model_config.inference_engine_config.state_manager.max_tracked_sequences
         self.default_max_length = min(model_config.max_length or DEFAULT_MAX_LENGTH, plan.max_context)
         log.info("mii engine plan for %s:\n%s", loaded.source.name, plan.describe())
@@ -149,7 +158,47 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        out = self.runner.run(batch)
+        try:
+            parts, failed = [(batch, self.runner.run(batch))], []
+        except Exception as e:
+            if self.runner.tp_group is not None:
+                raise
+            log.error("engine step failed; running its %d sequences again in halves to find the cause",
+                      len(batch.chunks), exc_info=True)
+            parts, failed = self._isolate(batch.chunks, e)
+        results = [self._fail(seq, e) for seq, e in failed]
+        for part, out in parts:
+            results += self._advance(part, out)
+        return results
+
+    def _isolate(self, chunks: list[ScheduledChunk], error: Exception):
+        """Run a failed step's chunks again in halves (bisection: at most 2 × chunks runs) until every failure is
+        pinned to one sequence: ([(sub-batch, its StepOutput)], [(sequence, its error)]). A chunk's result does not
+        depend on its batch (the KV writes are its own, the sampling noise is counter-based)."""
+        if len(chunks) == 1:
+            return [], [(chunks[0].seq, error)]
+        parts, failed = [], []
+        for half in (chunks[: len(chunks) // 2], chunks[len(chunks) // 2:]):
+            sub = ScheduledBatch(list(half))
+            try:
+                parts.append((sub, self.runner.run(sub)))
+            except Exception as e:
+                more_parts, more_failed = self._isolate(half, e)
+                parts += more_parts
+                failed += more_failed
+        return parts, failed
+
+    def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
+        log.error("request %d failed in an engine step and was dropped: %s: %s", seq.uid, type(e).__name__, e)
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.uid, None)
+        error = EngineStepError(f"the request failed inside the engine ({type(e).__name__}: {e}); "
+                                "other requests were not affected")
+        return RequestOutput(seq.uid, "", [], True, FinishReason.NONE, seq.num_prompt, seq.num_generated,
+                             error=error)
+
+    def _advance(self, batch: ScheduledBatch, out) -> list[RequestOutput]:
+        """Apply one forward's sampled tokens: stops, detokenized text, logprobs; finished sequences leave."""
         self.scheduler.update(batch, out.tokens_by_uid())
         results = []
         s = out.sampled
@@ -159,13 +208,17 @@ class Engine:
             token = seq.token_ids[-1]
             n = seq.num_generated
             may_stop = n > p.min_new_tokens  # EOS and stop ids are masked before that in sampling
-            if may_stop and ((token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
-                reason, text = FinishReason.STOP, req.detok.flush()  # the EOS token itself is not part of the text
-            else:
-                reason = FinishReason.LENGTH if seq.num_tokens >= seq.max_total else FinishReason.NONE
-                text = req.detok.add(token, final=reason is FinishReason.LENGTH, check_stop=may_stop)
-                if req.detok.stopped:
-                    reason = FinishReason.STOP
+            try:
+                if may_stop and ((token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
+                    reason, text = FinishReason.STOP, req.detok.flush()  # the EOS token itself is not in the text
+                else:
+                    reason = FinishReason.LENGTH if seq.num_tokens >= seq.max_total else FinishReason.NONE
+                    text = req.detok.add(token, final=reason is FinishReason.LENGTH, check_stop=may_stop)
+                    if req.detok.stopped:
+                        reason = FinishReason.STOP
+            except Exception as e:  # the detokenizer failed on this request's tokens: it alone ends
+                results.append(self._fail(seq, e))
+                continue
             final = reason is not FinishReason.NONE
             lp = []
             if s.logprobs is not None and p.logprobs is not None:

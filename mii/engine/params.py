@@ -5,10 +5,30 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 from mii.errors import UnknownArgument, ValidationError
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """The most one request may ask for: every front end's limits come from here (README, "Running in
+    production" → Limits). OpenAI's where it has one (n ≤ 128, logprobs ≤ 20); stop strings are matched on every
+    token on the engine thread, so their number and length are bounded too (TGI allows 4 stop sequences)."""
+
+    max_n: int = 128
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    """Characters per stop string."""
+    max_stop_token_ids: int = 64
+
+
+BOUNDS = RequestBounds()
 
 
 @dataclass(frozen=True)
@@ -61,10 +81,24 @@ class GenerationParams:
         _int_field("max_new_tokens", self.max_new_tokens, low=1, optional=True)
         _int_field("max_length", self.max_length, low=1, optional=True)
         _int_field("min_new_tokens", self.min_new_tokens, low=0)
-        _int_field("top_k", self.top_k, low=0, optional=True)
-        _int_field("seed", self.seed, optional=True)
-        _int_field("logprobs", self.logprobs, low=0, high=20, optional=True)
-        _int_field("n", self.n, low=1, high=128)
+        _int_field("top_k", self.top_k, low=0, high=INT64_MAX, optional=True)
+        _int_field("logprobs", self.logprobs, low=0, high=BOUNDS.max_logprobs, optional=True)
+        _int_field("n", self.n, low=1, high=BOUNDS.max_n)
+        # sample j of n draws with seed + j, an int64 in the sampler
+        _int_field("seed", self.seed, low=0, high=INT64_MAX - (self.n - 1), optional=True,
+                   why=f" (sample j of n={self.n} uses seed + j, a 64-bit signed integer)" if self.n > 1 else
+                   " (a 64-bit signed integer)")
+        if len(self.stop) > BOUNDS.max_stop_strings:
+            raise ValidationError("stop", f"at most {BOUNDS.max_stop_strings} stop strings, got {len(self.stop)}")
+        long_stop = next((s for s in self.stop if len(s) > BOUNDS.max_stop_length), None)
+        if long_stop is not None:
+            raise ValidationError("stop", f"a stop string may have at most {BOUNDS.max_stop_length} characters, "
+                                          f"got {len(long_stop)}")
+        if len(self.stop_token_ids) > BOUNDS.max_stop_token_ids:
+            raise ValidationError("stop_token_ids", f"at most {BOUNDS.max_stop_token_ids} ids, "
+                                                    f"got {len(self.stop_token_ids)}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValidationError("stop_token_ids", f"token ids are >= 0, got {min(self.stop_token_ids)}")
         for name in ("ignore_eos", "return_full_text", "do_sample"):
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"must be a boolean, got {getattr(self, name)!r}")
@@ -84,21 +118,27 @@ class GenerationParams:
             raise ValidationError("min_new_tokens", f"{self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
 
 
-def _int_field(name, value, low=None, high=None, optional=False):
+def _int_field(name, value, low=None, high=None, optional=False, why=""):
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(name, f"must be an integer, got {value!r}")
+        raise ValidationError(name, f"must be an integer, got {value!r:.60}")
     if low is not None and value < low:
-        raise ValidationError(name, f"must be >= {low}, got {value}")
+        raise ValidationError(name, f"must be >= {low}, got {value}{why}")
     if high is not None and value > high:
-        raise ValidationError(name, f"must be <= {high}, got {value}")
+        raise ValidationError(name, f"must be <= {high}, got {value}{why}")
 
 
 def _number(name, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValidationError(name, f"must be a number, got {value!r}")
-    return float(value)
+        raise ValidationError(name, f"must be a number, got {value!r:.60}")
+    try:
+        x = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValidationError(name, f"must be a finite number, got {value}") from None
+    if not math.isfinite(x):
+        raise ValidationError(name, f"must be a finite number, got {x}")
+    return x
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

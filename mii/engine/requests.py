@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from mii.engine.params import GenerationParams
-from mii.errors import KVCacheError, PromptTooLongError, ValidationError
+from mii.errors import PromptTooLongError, ValidationError
 
 Prompt = Union[str, list[int]]
 _LIST_VALUED = {"stop", "stop_token_ids"}  # parameters whose single value is already a list
@@ -81,25 +81,32 @@ class RequestLimits:
     vocab_size: int
 
     def length_limit(self, prompt_len: int, p: GenerationParams) -> int:
-        """The sequence length at which the request ends with "length"; a typed error when it cannot run."""
-        ctx = self.max_context
+        """The sequence length at which the request ends with "length"; a typed error when it cannot run.
+
+        An explicit `max_new_tokens` or `max_length` beyond the context is an error (OpenAI's and vLLM's rule),
+        never a silently shorter answer; without either, the answer may use the rest of the context, up to the
+        engine's default length."""
+        ctx, kv = self.max_context, self.kv_capacity_tokens
         if prompt_len >= ctx:
             raise PromptTooLongError(prompt_len, ctx)
-        limit = ctx
-        if p.max_length is not None:
-            if prompt_len >= p.max_length:
-                raise ValidationError("max_length", f"{p.max_length} leaves no room after a {prompt_len}-token prompt")
-            limit = min(limit, p.max_length)
-        if p.max_new_tokens is not None:
-            limit = min(limit, prompt_len + p.max_new_tokens)
-        elif p.max_length is None:
-            limit = min(limit, max(self.default_max_length, prompt_len + 1))
-        if limit > self.kv_capacity_tokens:
-            if prompt_len >= self.kv_capacity_tokens:
-                raise KVCacheError(f"the prompt has {prompt_len} tokens; "
-                                   f"the KV cache holds only {self.kv_capacity_tokens}")
-            limit = self.kv_capacity_tokens
-        return limit
+        if prompt_len >= kv:
+            raise ValidationError("prompt", f"the prompt has {prompt_len} tokens, but the KV cache of this engine "
+                                            f"holds only {kv}: it can never run here (give the engine more KV "
+                                            "cache memory)")
+        if p.max_length is not None and prompt_len >= p.max_length:
+            raise ValidationError("max_length", f"{p.max_length} leaves no room after a {prompt_len}-token prompt")
+        if p.max_new_tokens is not None or p.max_length is not None:
+            asked = min(x for x in (p.max_length, None if p.max_new_tokens is None else prompt_len + p.max_new_tokens)
+                        if x is not None)
+            field = "max_new_tokens" if asked != p.max_length else "max_length"
+            if asked > ctx:
+                raise PromptTooLongError(prompt_len, ctx, asked - prompt_len)
+            if asked > kv:
+                raise ValidationError(field, f"the prompt ({prompt_len} tokens) and the completion "
+                                             f"({asked - prompt_len}) need {asked} tokens, but the KV cache of this "
+                                             f"engine holds only {kv}")
+            return asked
+        return min(max(self.default_max_length, prompt_len + 1), ctx, kv)
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,9 @@ class InputProcessor:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValidationError("prompt", f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+            bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValidationError("stop_token_ids", f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
             max_total = self.limits.length_limit(len(ids), p)
             prefix = ""
             if p.return_full_text:

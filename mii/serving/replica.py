@@ -119,6 +119,13 @@ class EngineLoop:
                 if self._sinks.pop(uid, None) is not None:
                     self.engine.abort(uid)
 
+    def _fail_call(self, sink: _Sink, error: Exception) -> None:
+        """End one call with `error`: abort its other sequences (n > 1, several prompts) and tell its handler."""
+        for uid in [uid for uid, s in self._sinks.items() if s is sink]:
+            del self._sinks[uid]
+            self.engine.abort(uid)
+        sink.put("error", error)
+
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
@@ -145,6 +152,10 @@ class EngineLoop:
             for o in outs:
                 sink = self._sinks.get(o.uid)
                 if sink is None:
+                    continue
+                if o.error is not None:  # the engine dropped this sequence: its call fails, the others go on
+                    self._fail_call(sink, o.error)
+                    by_sink.pop(id(sink), None)
                     continue
                 self.generation_tokens += len(o.token_ids)
                 by_sink.setdefault(id(sink), (sink, []))[1].append(o)

@@ -76,3 +76,21 @@ def test_error_info_round_trip_across_processes():
     except pydantic.ValidationError as foreign:
         e = error_from_info(error_info(foreign))
     assert type(e) is MIIError and str(e).startswith("ValidationError: ")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(deployment_type="aml"), "deployment_type='aml' is not supported: only 'local'"),
+    (dict(mii_config={"deployment_type": "AML"}), "deployment_type='AML' is not supported"),
+    (dict(hostfile="/etc/hosts"), "hostfile='/etc/hosts' is not supported: a deployment runs on this host only"),
+    (dict(sync_debug=True), "sync_debug=True is not supported.*CUDA_LAUNCH_BLOCKING=1"),
+    (dict(profile_model_time=True), "profile_model_time=True is not supported.*/metrics"),
+])
+def test_mii_fields_that_would_be_ignored_are_refused(kwargs, words):
+    """MII's fields that mean nothing here (other deployment types, multi-node hostfiles, debugging switches) are
+    refused with what to do instead, before any process starts; their defaults are accepted (MII's forms)."""
+    with pytest.raises(ValidationError, match=words):
+        mii.serve("no/such/model", **kwargs)
+    from mii.serving.launch import build_mii_config
+
+    cfg = build_mii_config("m", deployment_type="local", hostfile="/job/hostfile", sync_debug=False)
+    assert cfg.deployment_type == "local" and cfg.model_config_.seed is None

@@ -1,8 +1,11 @@
 """`mii.engine.requests` without a model: prompts and keyword arguments → validated `EngineRequest`s."""
+import re
+
 import pytest
 
+from mii.engine.params import GenerationParams
 from mii.engine.requests import InputProcessor, RequestLimits
-from mii.errors import KVCacheError, PromptTooLongError, UnknownArgument, ValidationError
+from mii.errors import PromptTooLongError, UnknownArgument, ValidationError
 
 
 class _Tokenizer:
@@ -34,14 +37,40 @@ def test_length_limits():
     inputs = InputProcessor(_Tokenizer(), LIMITS)
     assert inputs.process([1] * 10, {})[0][0].max_total == 32  # MII's default max_length
     assert inputs.process([1] * 10, dict(max_length=20))[0][0].max_total == 20
+    assert inputs.process([1] * 10, dict(max_new_tokens=30))[0][0].max_total == 40  # explicit: past the default
+    assert inputs.process([1] * 10, dict(max_new_tokens=30, max_length=25))[0][0].max_total == 25
     assert inputs.process([1] * 40, {})[0][0].max_total == 41  # at least one token after a long prompt
-    assert inputs.process([1] * 40, dict(max_new_tokens=20))[0][0].max_total == 48  # the KV cache holds 48
+    assert inputs.process([1] * 40, dict(max_new_tokens=8))[0][0].max_total == 48  # the KV cache holds 48
     with pytest.raises(PromptTooLongError, match="maximum context length is 64 tokens"):
         inputs.process([1] * 64, {})
-    with pytest.raises(KVCacheError, match="holds only 48"):
-        inputs.process([1] * 50, {})
+    with pytest.raises(ValidationError, match="^prompt: .*KV cache of this engine holds only 48"):
+        inputs.process([1] * 50, {})  # a 400-class error: it can never run, retrying will not help
     with pytest.raises(ValidationError, match="max_length"):
         inputs.process([1] * 10, dict(max_length=10))
+
+
+def test_explicit_length_beyond_the_context_is_an_error():
+    """OpenAI's and vLLM's rule: an explicit completion length that does not fit is refused, not shortened."""
+    inputs = InputProcessor(_Tokenizer(), RequestLimits(64, 32, 1000, 100))
+    with pytest.raises(PromptTooLongError) as e:
+        inputs.process([1] * 10, dict(max_new_tokens=60))
+    assert str(e.value) == ("prompt: This model's maximum context length is 64 tokens. However, you requested 70 "
+                            "tokens (10 in the prompt, 60 for the completion). Please reduce the length of the "
+                            "prompt or of the completion.")
+    assert (e.value.prompt_length, e.value.completion_tokens, e.value.max_context) == (10, 60, 64)
+    with pytest.raises(PromptTooLongError, match=r"requested 100 tokens \(10 in the prompt, 90 for"):
+        inputs.process([1] * 10, dict(max_length=100))
+    assert inputs.process([1] * 10, dict(max_new_tokens=54))[0][0].max_total == 64  # exactly the context fits
+    assert inputs.process([1] * 10, dict(max_length=64))[0][0].max_total == 64
+    with pytest.raises(ValidationError, match="^max_new_tokens: .*need 60 tokens.*holds only 48"):
+        InputProcessor(_Tokenizer(), LIMITS).process([1] * 40, dict(max_new_tokens=20))
+
+
+def test_error_info_keeps_the_completion_length():
+    from mii.errors import error_from_info, error_info
+
+    e = error_from_info(error_info(PromptTooLongError(10, 64, 60)))
+    assert isinstance(e, PromptTooLongError) and str(e) == str(PromptTooLongError(10, 64, 60))
 
 
 @pytest.mark.parametrize("prompts, kwargs, error, words", [
@@ -49,7 +78,47 @@ def test_length_limits():
     (["ok", ""], {}, ValidationError, r"prompts\[1\]"),
     (["ok"], dict(max_new_tokenz=[1, 2]), UnknownArgument, "max_new_tokenz"),
     (["a", "b"], dict(top_p=[0.5, 2.0]), ValidationError, "top_p"),
+    # the sampler adds j to the seed of sample j, in int64: seed + n - 1 must fit
+    (["ok"], dict(seed=2**63 - 2, n=3), ValidationError, r"seed: must be <= 9223372036854775805.*seed \+ j"),
+    (["ok"], dict(seed=2**64), ValidationError, "seed: must be <= 9223372036854775807"),
+    (["ok"], dict(seed=-1), ValidationError, "seed: must be >= 0"),
+    (["ok"], dict(stop_token_ids=[5, 100], min_new_tokens=2), ValidationError, "stop_token_ids: token id 100 is outside"),
+    (["ok"], dict(stop_token_ids=[-3]), ValidationError, "stop_token_ids: token ids are >= 0"),
+    (["ok"], dict(top_k=2**70), ValidationError, "top_k: must be <="),
 ])
 def test_any_bad_prompt_or_value_fails_the_whole_call(prompts, kwargs, error, words):
     with pytest.raises(error, match=words):
         InputProcessor(_Tokenizer(), LIMITS).process(prompts, kwargs)
+
+
+def test_largest_seed_is_accepted():
+    reqs, _ = InputProcessor(_Tokenizer(), LIMITS).process("ok", dict(seed=2**63 - 3, n=3))
+    assert [r.params.seed for r in reqs] == [2**63 - 3, 2**63 - 2, 2**63 - 1]
+
+
+NONFINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                  "frequency_penalty"])
+@pytest.mark.parametrize("value", NONFINITE + [10**400])
+def test_non_finite_numbers_are_refused(name, value):
+    with pytest.raises(ValidationError, match=f"^{name}: must be a finite number"):
+        GenerationParams.from_kwargs({name: value})
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(repetition_penalty=0), "repetition_penalty: must be > 0, got 0"),
+    (dict(n=129), "n: must be <= 128"),
+    (dict(logprobs=21), "logprobs: must be <= 20"),
+    (dict(stop=[f"s{i}" for i in range(17)]), "stop: at most 16 stop strings, got 17"),
+    (dict(stop="x" * 257), "stop: a stop string may have at most 256 characters, got 257"),
+    (dict(stop_token_ids=list(range(65))), "stop_token_ids: at most 64 ids, got 65"),
+])
+def test_request_bounds(kwargs, words):
+    with pytest.raises(ValidationError, match=f"^{re.escape(words)}"):
+        GenerationParams.from_kwargs(kwargs)
+    # the bounds themselves are accepted
+    at_bound = {k: (v[:-1] if isinstance(v, list) else v[:-1] if isinstance(v, str) else
+                    v - 1 if k != "repetition_penalty" else 0.01) for k, v in kwargs.items()}
+    GenerationParams.from_kwargs(at_bound)
