@@ -71,13 +71,22 @@ def assert_matches_transformers(model_dir, prompts=None, new_tokens: int = 32, b
         pipe.destroy()
 
 
-def compare_greedy(pipe, prompts, ref, new_tokens: int, atol: float):
-    """Run `prompts` through `pipe` greedily and compare with `hf_greedy`'s results `ref`."""
-    outs = pipe(prompts, max_new_tokens=new_tokens, do_sample=False, ignore_eos=True, logprobs=5)
+def compare_greedy(pipe, prompts, ref, new_tokens: int, atol: float, top: int = 5):
+    """Run `prompts` through `pipe` greedily and compare with `hf_greedy`'s results `ref`: every step's token, its
+    log-probability, and the `top` most likely tokens (ours are theirs: the same values, within `atol`)."""
+    outs = pipe(prompts, max_new_tokens=new_tokens, do_sample=False, ignore_eos=True, logprobs=top)
+    assert len(outs) == len(ref) == len(prompts)
     for i, (out, (tokens, hf_lp)) in enumerate(zip(outs, ref)):
         assert out.token_ids == tokens, f"prompt {i}: mii {out.token_ids} != transformers {tokens}"
+        assert len(out.logprobs) == len(hf_lp) == len(tokens) == new_tokens, f"prompt {i}: lengths"
         for step, (ours, theirs) in enumerate(zip(out.logprobs, hf_lp)):
+            assert ours["token_id"] == tokens[step]
             assert abs(ours["logprob"] - theirs[ours["token_id"]].item()) < atol, f"prompt {i} step {step}"
+            assert len(ours["top_logprobs"]) == top, f"prompt {i} step {step}: {len(ours['top_logprobs'])} top entries"
             for tok, lp in ours["top_logprobs"].items():
                 assert abs(lp - theirs[tok].item()) < atol, f"prompt {i} step {step} token {tok}"
+            # the same top values (ids may differ only between near-equal log-probabilities)
+            want = theirs.topk(top).values.tolist()
+            got = sorted(ours["top_logprobs"].values(), reverse=True)
+            assert all(abs(a - b) < atol for a, b in zip(got, want)), f"prompt {i} step {step}: top {got} != {want}"
     return outs
