@@ -98,6 +98,10 @@ class ModelConfig(_Config):
     num_threads: Optional[int] = Field(None, ge=1)
     """CPU threads of each engine process (each tensor-parallel rank); the cores divided between the processes
     on this host when unset."""
+    trust_remote_code: bool = False
+    """Hugging Face's switch to run Python code that comes with a checkpoint; only False: mii never runs a
+    checkpoint's code (it has its own implementation of each supported architecture, and reads `.bin` weights
+    with `weights_only`)."""
     seed: Optional[int] = None
     """Seed of the stream of sampling seeds given to requests that do not bring their own `seed`. None (the
     default): fresh entropy in every process, so every run and every replica samples differently; a number makes
@@ -112,6 +116,14 @@ class ModelConfig(_Config):
         if v:
             raise ValueError(f"{info.field_name}=True is not supported (MII's debugging option); "
                              f"{instead[info.field_name]}")
+        return v
+
+    @field_validator("trust_remote_code")
+    @classmethod
+    def _no_remote_code(cls, v):
+        if v:
+            raise ValueError("trust_remote_code=True is not supported: mii never runs code that comes with a "
+                             "checkpoint; models load only into mii's own implementations (mii/models)")
         return v
 
     @field_validator("device")

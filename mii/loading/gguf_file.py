@@ -116,7 +116,13 @@ def cached_folder(path: Path, name: str) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
     try:
-        _convert(path, tmp, name)
+        try:
+            _convert(path, tmp, name)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # the gguf package's reader fails in many ways on a truncated or damaged file
+            raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e} (is the file complete? a "
+                                 "truncated or damaged download must be fetched again)") from None
         try:
             os.rename(tmp, folder)  # atomic: a concurrent conversion of the same file simply loses the race
         except OSError:

@@ -113,3 +113,82 @@ def test_gguf_file_loads_and_caches(default_model_path, tmp_path):
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]
     assert "Converting" not in second.stderr
+
+
+def _damaged_copy(src, dst, name, damage):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    path = dst / name
+    path.write_bytes(damage(path.read_bytes()))
+    return dst
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda b: b[: len(b) // 2], "incomplete metadata"),          # a download cut in the middle
+    (lambda b: b[:5], "header too small"),
+    (lambda b: b[:8] + b"{garbage" + b[16:], "invalid JSON in header"),
+])
+def test_damaged_safetensors_is_a_clear_error(tiny_llama, tmp_path, damage, words):
+    folder = _damaged_copy(tiny_llama, tmp_path, "model.safetensors", damage)
+    with pytest.raises(ModelLoadError, match=rf"cannot read {folder / 'model.safetensors'}: .*{words}.*fetched again"):
+        mii.pipeline(str(folder))
+
+
+def test_damaged_bin_and_index_are_clear_errors(tiny_llama, tmp_path):
+    from safetensors.torch import load_file
+
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    folder = tmp_path / "bin"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=rf"cannot read {folder / 'pytorch_model.bin'}"):
+        mii.pipeline(str(folder))
+    index = tmp_path / "index"
+    shutil.copytree(tiny_llama, index)
+    (index / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ModelLoadError, match=rf"cannot read {index / 'model.safetensors.index.json'}: JSONDecodeError"):
+        mii.pipeline(str(index))
+
+
+class _Payload:
+    """Unpickling this runs code: what a malicious `.bin` does."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_bin_weights_never_run_code(tiny_llama, tmp_path):
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "evil"
+    shutil.copytree(tiny_llama, folder)
+    state = dict(load_file(str(folder / "model.safetensors")))
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "code-ran"
+    state["model.norm.weight"] = _Payload(marker)  # torch.save pickles it; a plain torch.load would run it
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=rf"cannot read {folder / 'pytorch_model.bin'}: UnpicklingError"):
+        mii.pipeline(str(folder))
+    assert not marker.exists()
+    with pytest.raises(mii.errors.ValidationError, match="trust_remote_code=True is not supported: mii never runs"):
+        mii.pipeline(str(tiny_llama), trust_remote_code=True)
+
+
+def test_damaged_gguf_is_a_clear_error(default_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MII_CACHE_DIR", str(tmp_path / "cache"))
+    with open(default_model_path, "rb") as f:
+        head = f.read(4_000_000)  # metadata and the first tensors' offsets: the data is cut off
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(head)
+    with pytest.raises(ModelLoadError, match=rf"cannot read GGUF file {cut}: ValueError.*fetched again"):
+        mii.pipeline(str(cut))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\xff" * 100)
+    with pytest.raises(ModelLoadError, match=rf"cannot read GGUF file {garbage}"):
+        mii.pipeline(str(garbage))
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []  # no half-converted folder left
