@@ -1,8 +1,9 @@
 """Deployments shared by the serving tests: real processes on free loopback ports, stopped (and checked gone)
 at the end even when a test fails.
 
-- `deployment`: a tiny random Llama (SmolLM2's tokenizer and chat template), two replicas, HTTP gateway on;
-  started through MII's `mii_config={..., "model_config": {...}}` form.
+- `deployment`: a tiny random Llama (SmolLM2's tokenizer and chat template; 1024-token context), two replicas,
+  HTTP gateway on, a default `max_length` of 512 (MII's requests without a length stop there; OpenAI's use the
+  rest of the context); started through MII's `mii_config={..., "model_config": {...}}` form.
 - `limited`: the same model, two replicas that each run one sequence at a time and queue at most one more,
   behind an API key (tests/serving/test_load.py).
 """
@@ -75,7 +76,8 @@ def deployment(tiny_model):
         "deployment_name": name, "deployment_type": "local", "port_number": free_port(),
         "enable_restful_api": True, "restful_api_port": free_port(),
         "model_config": {"model_name_or_path": tiny_model, "task": "text-generation", "device_map": "auto",
-                         "tensor_parallel": 1, "replica_num": 2, "dtype": "float32", "inference_engine_config": KV}})
+                         "tensor_parallel": 1, "replica_num": 2, "dtype": "float32", "inference_engine_config": KV,
+                         "max_length": 512}})
     yield client
     stop(client)
 

@@ -63,6 +63,11 @@ def test_typed_errors(deployment):
         deployment.generate("x", top_p=2.0)
     with pytest.raises(PromptTooLongError, match="maximum context length is 1024 tokens"):
         deployment.generate([[5] * 1500], max_new_tokens=2)
+    with pytest.raises(PromptTooLongError, match=r"you requested 1100 tokens \(1000 in the prompt, 100 for") as e:
+        deployment.generate([[5] * 1000], max_new_tokens=100)
+    assert (e.value.prompt_length, e.value.completion_tokens, e.value.max_context) == (1000, 100, 1024)
+    with pytest.raises(ValidationError, match="seed: must be <= 9223372036854775805"):
+        deployment.generate("x", max_new_tokens=2, seed=2**63 - 1, n=3)
 
 
 def test_client_from_another_process(deployment):

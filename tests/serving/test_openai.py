@@ -52,11 +52,45 @@ def test_extra_fields_are_accepted(oai, model_id):
     assert r.usage.completion_tokens == 7
 
 
-def test_default_max_tokens_is_the_rest_of_the_context(oai, model_id):
+def test_default_max_tokens_is_the_rest_of_the_context(oai, model_id, deployment):
+    """Without max_tokens an OpenAI answer may fill the 1024-token context, past the deployment's default
+    max_length of 512, which MII's requests without a length keep to."""
     prompt = [7] * 1000
     r = oai.completions.create(model=model_id, prompt=prompt, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 1024
+    mii_default = deployment.generate([[7] * 500], ignore_eos=True)[0]
+    assert mii_default.prompt_length + mii_default.generated_length == 512
+
+
+def test_explicit_max_tokens_past_the_context_is_a_400(oai, model_id):
+    """OpenAI's and vLLM's rule and message; not a silently shorter answer."""
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_id, prompt=[5] * 1000, max_tokens=100)
+    assert e.value.body["message"] == (
+        "This model's maximum context length is 1024 tokens. However, you requested 1100 tokens (1000 in the "
+        "prompt, 100 for the completion). Please reduce the length of the prompt or of the completion.")
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="However, you requested 1"):
+        oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                    max_completion_tokens=1024)
+    r = oai.completions.create(model=model_id, prompt=[5] * 1000, max_tokens=24, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(seed=2**63 - 1, n=2), "seed"),  # sample j uses seed + j: past int64 (it overflowed in the step)
+    (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=[49152 + 5], min_tokens=2), "stop_token_ids"),  # outside the vocabulary
+    (dict(stop=[f"s{i}" for i in range(17)]), "stop"),
+])
+def test_values_the_engine_refuses_are_400s(base_url, model_id, extra, param):
+    body = {"model": model_id, "prompt": "x", "max_tokens": 2, **extra}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = httpx.post(f"{base_url}/v1/completions", json={"model": model_id, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
 def test_chat_and_its_stream_agree(oai, model_id):
