@@ -110,7 +110,7 @@ class Engine:
     def limits(self) -> RequestLimits:
         """What this engine can take; `mii.engine.requests.InputProcessor` checks every request against it."""
         return RequestLimits(self.plan.max_context, self.default_max_length, self.kv.capacity_tokens,
-                             self.loaded.cfg.vocab_size)
+                             self.loaded.cfg.vocab_size, self.max_tracked)
 
     def add_requests(self, requests: list[EngineRequest]) -> list[int]:
         """Admit all of `requests` (validated by `InputProcessor`) or none; their uids, in order."""

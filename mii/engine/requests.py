@@ -79,6 +79,8 @@ class RequestLimits:
     kv_capacity_tokens: int
     """Tokens the whole KV cache holds: a longer sequence could never run."""
     vocab_size: int
+    max_sequences: Optional[int] = None
+    """Most sequences the engine holds at once (`max_tracked_sequences`): a call with more could never run."""
 
     def length_limit(self, prompt_len: int, p: GenerationParams) -> int:
         """The sequence length at which the request ends with "length"; a typed error when it cannot run.
@@ -134,6 +136,10 @@ class InputProcessor:
         `add_special_tokens=False` for text that a chat template rendered."""
         plist, single = normalize_prompts(prompts)
         params = per_prompt_params(kwargs, len(plist))
+        total = sum(p.n for p in params)
+        if self.limits.max_sequences is not None and total > self.limits.max_sequences:
+            raise ValidationError("prompts", f"{len(plist)} prompt(s) × n make {total} sequences; this engine holds "
+                                             f"at most {self.limits.max_sequences} at once (max_tracked_sequences)")
         out = []
         for i, (prompt, p) in enumerate(zip(plist, params)):
             ids = encode_prompt(self.tokenizer, prompt, add_special_tokens)

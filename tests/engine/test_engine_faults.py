@@ -129,12 +129,16 @@ def test_length_past_the_context_is_a_typed_error(pipe):
     assert out.prompt_length + out.generated_length == 1024 and out.finish_reason == "length"
 
 
-def test_context_is_capped_by_the_kv_cache(tiny):
+def test_what_could_never_run_is_a_validation_error(tiny):
     """A KV cache of 20 blocks of 8 tokens holds 160 tokens: that is the engine's context, and a longer prompt is
-    a 400-class error (PromptTooLongError), not a KV cache error that a client would retry."""
+    a 400-class error (PromptTooLongError), not a KV cache error that a client would retry; so is a call with more
+    sequences than the engine tracks."""
     small = mii.pipeline(str(tiny), dtype="float32", inference_engine_config={"state_manager": {
-        "kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 20}}})
+        "kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 20}, "max_tracked_sequences": 4}})
     try:
+        with pytest.raises(ValidationError, match="make 6 sequences; this engine holds at most 4"):
+            small(["a", "b", "c"], n=2, max_new_tokens=2)
+        assert len(small(["a", "b"], n=2, max_new_tokens=2)) == 4
         assert small.engine.limits.max_context == 160 and "KV cache" in small.engine_plan.reasons["max context"]
         with pytest.raises(PromptTooLongError, match="maximum context length is 160 tokens"):
             small([[7] * 170], max_new_tokens=2)

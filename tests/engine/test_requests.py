@@ -122,3 +122,11 @@ def test_request_bounds(kwargs, words):
     at_bound = {k: (v[:-1] if isinstance(v, list) else v[:-1] if isinstance(v, str) else
                     v - 1 if k != "repetition_penalty" else 0.01) for k, v in kwargs.items()}
     GenerationParams.from_kwargs(at_bound)
+
+
+def test_more_sequences_than_the_engine_holds_is_a_validation_error():
+    """prompts × n beyond max_tracked_sequences could never be admitted: a 400-class error, not a 429 to retry."""
+    inputs = InputProcessor(_Tokenizer(), RequestLimits(64, 32, 48, 100, max_sequences=8))
+    assert len(inputs.process(["a", "b"], dict(n=4))[0]) == 8
+    with pytest.raises(ValidationError, match=r"^prompts: 3 prompt\(s\) × n make 9 sequences; .* at most 8"):
+        inputs.process(["a", "b", "c"], dict(n=[4, 4, 1]))
