@@ -47,7 +47,8 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
             gguf_file.cached_folder(source.path, source.name)
         tp_group = started = start(model_config.model_copy(update={"num_threads": plan.num_threads}), plan.device)
     try:
-        loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer)
+        loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer,
+                            bf16_weights=plan.linear_backend == "kernel")
         if tp_group is None or tp_group.rank == 0:
             engine = Engine(loaded, model_config, plan, tp_group)
             return BuiltEngine(engine.plan, loaded.tokenizer, engine=engine, tp_group=tp_group)

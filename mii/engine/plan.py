@@ -21,6 +21,8 @@ CPU_KV_CAP_BYTES = 2 << 30
 ATTENTION_LABELS = {"torch": "torch SDPA over gathered KV blocks",
                     "kernel": "mii::paged_attention (KV blocks read in place, one call per layer); "
                               "fused rms_norm+residual, rotary, silu*mul"}
+LINEAR_LABELS = {"torch": "torch (oneDNN/MKL)",
+                 "kernel": "mii::linear_bf16w (bf16 weights widened to fp32 in registers)"}
 
 
 @dataclass
@@ -39,6 +41,10 @@ class EnginePlan:
     """Attention backend: "kernel" (mii::paged_attention, reads the KV blocks in place) or "torch" (gathered
     blocks + SDPA, the reference)."""
     linear_backend: str = "torch"
+    """"torch", "kernel" (mii::linear_bf16w: bf16 weights, fp32 math) or oneDNN's prepacked bf16 (a label)."""
+    weight_dtype: str = ""
+    """The dtype the linear, LM head and embedding weights are kept in: the model's dtype, or bf16 with fp32 math
+    (mii::linear_bf16w) on CPUs without native bf16 matmul."""
     cuda_graphs: str = ""
     """On a GPU: the captured decode batch sizes, capture time and memory, or why there are none."""
     reasons: dict = field(default_factory=dict)
@@ -48,9 +54,11 @@ class EnginePlan:
         return _DTYPES[self.dtype]
 
     def describe(self) -> str:
-        rows = [("device", self.device), ("dtype", self.dtype), ("threads", self.num_threads),
+        rows = [("device", self.device), ("dtype", self.dtype), ("weights", self.weight_dtype or self.dtype),
+                ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
-                ("attention", ATTENTION_LABELS.get(self.attention, self.attention)), ("linears", self.linear_backend),
+                ("attention", ATTENTION_LABELS.get(self.attention, self.attention)),
+                ("linears", LINEAR_LABELS.get(self.linear_backend, self.linear_backend)),
                 ("kv_block_size", self.kv_block_size),
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
@@ -129,7 +137,25 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
     plan = EnginePlan(device=device, dtype=dtype, num_threads=threads, tensor_parallel=cfg.tensor_parallel,
                       reasons=reasons)
     plan_attention(plan)
+    plan_linears(plan, auto_dtype=cfg.dtype == "auto")
     return plan
+
+
+def plan_linears(plan: EnginePlan, auto_dtype: bool) -> None:
+    """On a CPU without native bf16 matmul, with mii's kernels built: keep the weights in bf16 and do the math in
+    fp32 (mii::linear_bf16w) when the dtype is auto (activations fp32) or bf16 (activations bf16) — a decode step
+    streams half the bytes of fp32 weights, and oneDNN's emulated bf16 GEMM is avoided. An explicit float32
+    keeps float32 weights."""
+    plan.weight_dtype = plan.dtype
+    if plan.device != "cpu" or plan.attention != "kernel" or cpu_has_fast_bf16():
+        return
+    if not (auto_dtype or plan.dtype == "bfloat16"):
+        return
+    plan.weight_dtype = "bfloat16"
+    plan.linear_backend = "kernel"
+    plan.reasons["weights"] = ("auto: " if auto_dtype else "") + (
+        "no native bf16 matmul on this CPU: weights kept in bf16 (half the bytes of fp32 per decode step), "
+        "math in fp32; dtype=float32 keeps fp32 weights")
 
 
 def plan_attention(plan: EnginePlan) -> None:

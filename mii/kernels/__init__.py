@@ -3,7 +3,9 @@
 - `mii::paged_attention` writes a step's K/V into their cache slots and attends through the block tables in
   place, for a whole ragged batch (decode tokens and prompt chunks) in one call (`paged_attention_cpu.cpp`);
 - `mii::rms_norm` (with the residual add folded in), `mii::rotary_` (in place on q and k) and
-  `mii::silu_and_mul`: one call each where eager PyTorch takes 5-10 small ops (`fused_cpu.cpp`).
+  `mii::silu_and_mul`: one call each where eager PyTorch takes 5-10 small ops (`fused_cpu.cpp`);
+- `mii::linear_bf16w`: a linear whose weight is stored in bf16 and whose math is fp32, for CPUs without native
+  bf16 matmul: decode streams half the bytes of fp32 weights (`linear_cpu.cpp`).
 
 The ops are defined here; their CPU kernels are C++, built once per machine with the system compiler and cached under
 `~/.cache/mii/kernels` (`$MII_CACHE_DIR`). Why our own: no maintained package offers CPU paged attention for
@@ -27,7 +29,7 @@ from mii.envs import cache_dir, cpu_flags
 
 log = logging.getLogger("mii")
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp")]
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
@@ -35,6 +37,7 @@ _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, T
 _lib.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)")
 _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()")
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
+_lib.define("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 @torch.library.register_fake("mii::paged_attention")
@@ -55,6 +58,11 @@ def _(q, k, positions, cos, sin):
 @torch.library.register_fake("mii::silu_and_mul")
 def _(x):
     return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+@torch.library.register_fake("mii::linear_bf16w")
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 _lock = threading.Lock()

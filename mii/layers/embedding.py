@@ -10,6 +10,8 @@ from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
+    out_dtype = None  # the model's dtype when the weight is kept in bf16 (store_weights_bf16): rows are cast to it
+
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         self.tp_size = tp_size()
@@ -27,17 +29,21 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        y = F.embedding(local.clamp(0, max(self.weight.shape[0] - 1, 0)), self.weight) * inside.unsqueeze(-1)
-        return all_reduce(y)
+            y = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.start
+            inside = (local >= 0) & (local < self.weight.shape[0])
+            y = F.embedding(local.clamp(0, max(self.weight.shape[0] - 1, 0)), self.weight) * inside.unsqueeze(-1)
+        if self.out_dtype is not None:
+            y = y.to(self.out_dtype)
+        return y if self.tp_size == 1 else all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary; shares the embedding's weight when the model ties them."""
 
     packed = None  # oneDNN blocked copy of the weight, set by prepack_cpu_bf16
+    bf16_kernel = False  # bf16 weight, fp32 math through mii::linear_bf16w (set by store_weights_bf16)
 
     def __init__(self, vocab_size: int, dim: int, bias: bool = False):
         super().__init__(vocab_size, dim)
@@ -48,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = packed_linear(h, self.packed, self.weight, self.bias)
+        logits = packed_linear(h, self, self.bias)
         if self.tp_size > 1:
             pad = self.shard - logits.shape[-1]
             logits = all_gather_last(F.pad(logits, (0, pad)))[..., : self.vocab_size]

@@ -44,11 +44,34 @@ def bf16_packable() -> bool:
         return False
 
 
-def packed_linear(x: torch.Tensor, packed, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ weight.T + bias, through oneDNN's prepacked weight when there is one."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def packed_linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ module.weight.T + bias: through oneDNN's prepacked weight when there is one, through
+    `mii::linear_bf16w` when the weight is kept in bf16 for fp32 math (`store_weights_bf16`)."""
+    if module.packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed, bias, "none", [], "")
+    if module.bf16_kernel:
+        return torch.ops.mii.linear_bf16w(x, module.weight, bias)
+    return F.linear(x, module.weight, bias)
+
+
+def store_weights_bf16(model: nn.Module) -> int:
+    """Keep the weights of every linear, the LM head and the embedding in bf16 (half the bytes a decode step
+    streams) while the rest of the model computes in its own dtype: their matmuls go through
+    `mii::linear_bf16w` (bf16 weights widened to fp32 in registers), the embedding casts the rows it returns.
+    For CPUs without native bf16 matmul, where the mii CPU kernels are built. Returns how many weights."""
+    weights = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not (hasattr(m, "bf16_kernel") or hasattr(m, "out_dtype")) or w is None or w.dim() != 2 or not w.numel():
+            continue
+        if hasattr(m, "bf16_kernel"):
+            m.bf16_kernel = True
+        if hasattr(m, "out_dtype"):
+            m.out_dtype = w.dtype  # before any conversion: a tied weight is shared with the LM head
+        weights[id(w)] = w
+    for w in weights.values():
+        w.data = w.data.to(torch.bfloat16)
+    return len(weights)
 
 
 def prepack_cpu_bf16(model: nn.Module) -> int:
@@ -72,6 +95,7 @@ def prepack_cpu_bf16(model: nn.Module) -> int:
 
 class LinearBase(nn.Module):
     packed = None  # oneDNN blocked copy of the weight, set by prepack_cpu_bf16
+    bf16_kernel = False  # bf16 weight, fp32 math through mii::linear_bf16w (set by store_weights_bf16)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -88,7 +112,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.weight, self.bias)
+        return packed_linear(x, self, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -110,7 +134,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x):
-        y = packed_linear(x, self.packed, self.weight, self.bias)
+        y = packed_linear(x, self, self.bias)
         return all_gather_last(y) if self.gather_output else y
 
 
@@ -180,5 +204,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x):
-        y = all_reduce(packed_linear(x, self.packed, self.weight, None))
+        y = all_reduce(packed_linear(x, self, None))
         return y + self.bias if self.bias is not None else y

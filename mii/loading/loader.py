@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mii.errors import ModelLoadError
-from mii.layers.linear import check_shape, prepack_cpu_bf16
+from mii.layers.linear import check_shape, prepack_cpu_bf16, store_weights_bf16
 from mii.loading import checkpoint, gguf_file
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
@@ -63,7 +63,10 @@ def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               tokenizer: Optional[str] = None, prepack: bool = True) -> LoadedModel:
+               tokenizer: Optional[str] = None, prepack: bool = True, bf16_weights: bool = False) -> LoadedModel:
+    """Build the model in `dtype` on `device` and load its weights. With `bf16_weights`, the linear, LM head and
+    embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
+    of being prepacked for oneDNN."""
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
@@ -73,7 +76,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model = spec.model_class(cfg)
     load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False))
     model.eval()
-    packed = prepack_cpu_bf16(model) if prepack else 0
+    if bf16_weights:
+        store_weights_bf16(model)
+    packed = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
     tok = load_tokenizer(folder, tokenizer)
     return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed)
 

@@ -1,0 +1,167 @@
+// y = x @ w.T + bias with w stored in bf16 and the math in fp32: mii::linear_bf16w, for CPUs without native bf16
+// matmul (AVX2 machines), where oneDNN's bf16 GEMM crawls and fp32 weights cost twice the bytes per decode step.
+// - Up to kGemvRows rows of x (decode): every weight row is streamed once from memory, widened bf16 -> fp32 in
+//   registers (a 16-bit shift) and multiplied with all rows of x at once; the bytes read are what limit it.
+// - More rows (prompt chunks, big batches): each thread widens a block of weight rows into an fp32 buffer that
+//   stays in cache and multiplies it with ATen's fp32 GEMM, so the cost of widening is shared by all the rows.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MII_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kGemvRows = 16;    // rows of x handled by the streaming kernel; more go through blocked GEMM
+constexpr int kPrefetchGroups = 4;   // weight rows are prefetched this many row groups ahead
+constexpr int64_t kGemmBlock = 128;  // weight rows widened to fp32 at a time for the GEMM path
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+#ifdef MII_AVX2
+inline __m256 load_bf16x8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// y[m, n] = sum_k x[m, k] * w[n, k] for M rows of x and R weight rows n0..n0+R-1 (M * R accumulators).
+template <int M, int R>
+inline void dot_rows(const float* x, int64_t K, const uint16_t* w, int64_t n0, float* y, int64_t ldy) {
+  int64_t k = 0;
+  float out[M][R];
+#ifdef MII_AVX2
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r + kPrefetchGroups * R) * K + k), _MM_HINT_T0);
+      wv[r] = load_bf16x8(w + (n0 + r) * K + k);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = hsum(acc[m][r]);
+#else
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float wk = bf16_to_float(w[(n0 + r) * K + k]);
+      for (int m = 0; m < M; ++m) out[m][r] += x[m * K + k] * wk;
+    }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + n0 + r] = out[m][r];
+}
+
+// Rows of x in groups of up to 4 against R weight rows at a time (as many as the 16 vector registers allow next
+// to the accumulators): the R rows are read from memory once, and from L1 for the later groups of x.
+template <int R>
+inline void dot_group(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_rows<4, R>(x + m * K, K, w, n0, y + m * N, N);
+  switch (M - m) {
+    case 1: dot_rows<1, R>(x + m * K, K, w, n0, y + m * N, N); break;
+    case 2: dot_rows<2, R>(x + m * K, K, w, n0, y + m * N, N); break;
+    case 3: dot_rows<3, R>(x + m * K, K, w, n0, y + m * N, N); break;
+  }
+}
+
+template <int R>
+void gemv(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  // a task streams at least ~64 KB of weights, in whole groups of R rows
+  const int64_t grain = std::max<int64_t>(R, (32768 / std::max<int64_t>(K, 1)) / R * R);
+  at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, grain / R), [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) {
+      const int64_t n0 = g * R;
+      if (n0 + R <= N) {
+        dot_group<R>(x, M, K, w, n0, y, N);
+      } else {
+        for (int64_t n = n0; n < N; ++n) dot_group<1>(x, M, K, w, n, y, N);
+      }
+    }
+  });
+}
+
+void widen(const uint16_t* src, float* dst, int64_t count) {
+  int64_t i = 0;
+#ifdef MII_AVX2
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+#endif
+  for (; i < count; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+// Blocks of kGemmBlock weight rows in parallel: widen into a per-task buffer, then y[:, block] = x @ block.T.
+void blocked_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K, at::Tensor& y) {
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  const bool inference = c10::InferenceMode::is_enabled();  // OpenMP threads do not inherit it
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    c10::InferenceMode guard(inference);
+    std::vector<float> buf(kGemmBlock * K);
+    auto wt = at::from_blob(buf.data(), {kGemmBlock, K}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * kGemmBlock, nb = std::min(kGemmBlock, N - n0);
+      widen(w + n0 * K, buf.data(), nb * K);
+      auto out = y.narrow(1, n0, nb);
+      at::mm_out(out, x, wt.narrow(0, 0, nb).t());
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "linear_bf16w: weight must be 2-D bf16");
+  TORCH_CHECK(x.size(-1) == weight.size(1), "linear_bf16w: x has ", x.size(-1), " features, the weight ",
+              weight.size(1));
+  const int64_t N = weight.size(0), K = weight.size(1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto w = weight.contiguous();
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto y = at::empty({M, N}, xf.options());
+  if (M > 0 && N > 0) {
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    if (M <= 2) {
+      gemv<4>(xp, M, K, wp, N, yp);
+    } else if (M <= kGemvRows) {
+      gemv<2>(xp, M, K, wp, N, yp);
+    } else {
+      blocked_gemm(xf, wp, N, K, y);
+    }
+  }
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type()).view(sizes);
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("linear_bf16w", &linear_bf16w_cpu); }

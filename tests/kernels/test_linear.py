@@ -1,0 +1,85 @@
+"""mii::linear_bf16w (bf16 weights, fp32 math) against a float64 reference, and the engine that keeps its weights in
+bf16 on CPUs without native bf16 matmul against transformers on the same (bf16-valued) weights."""
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import mii
+from mii import kernels
+from mii.engine import plan as plan_module
+from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
+                                reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+# rows 1-16 take the streaming kernel (in groups of 4 rows against 4 or 2 weight rows), more the blocked GEMM;
+# K not a multiple of 8 and N not a multiple of the row group exercise the tails
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 70])
+@pytest.mark.parametrize("n,k", [(96, 64), (131, 100), (3, 7), (300, 576)])
+def test_matches_float64(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        out = torch.ops.mii.linear_bf16w(x, w, bias)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        torch.testing.assert_close(out.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_bf16_activations_and_leading_dims():
+    """bf16 activations are widened too and the result rounded once; any leading dims are kept."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 72, generator=g).bfloat16()
+    x = torch.randn(2, 3, 72, generator=g).bfloat16()
+    out = torch.ops.mii.linear_bf16w(x, w, None)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, _reference(x, w, None).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    assert torch.ops.mii.linear_bf16w(x[:0], w, None).shape == (0, 3, 40)
+
+
+def test_engine_keeps_bf16_weights_and_matches_transformers(tmp_path, tokenizer_dir, monkeypatch):
+    """On a CPU without native bf16 matmul (forced here), the auto dtype keeps activations in fp32 and the weights
+    in bf16. On a checkpoint whose weights are bf16 values, that is exactly the fp32 model: greedy tokens
+    identical to transformers and logprobs within 2e-3, for decode rows (the streaming kernel) and prompt
+    chunks (the blocked GEMM) alike."""
+    monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
+
+    def bf16_values(model):
+        for p in model.parameters():
+            p.data = p.data.bfloat16().float()
+
+    path = tiny_checkpoint(LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **TINY), tmp_path, tokenizer_dir,
+                           post_init=bf16_values)
+    prompts = prompts_for(49152, lengths=(5, 37, 90, 3, 12))
+    ref = hf_greedy(path, prompts, 16)
+    pipe = mii.pipeline(str(path), inference_engine_config={"state_manager": {"max_ragged_batch_size": 48,
+                                                                              "kv_block_size": 8}})
+    try:
+        plan = pipe.engine_plan
+        assert (plan.dtype, plan.weight_dtype, plan.linear_backend) == ("float32", "bfloat16", "kernel")
+        model = pipe.engine.loaded.model
+        head, embed = model.lm_head, model.model.embed_tokens
+        assert head.bf16_kernel and head.weight is embed.weight and embed.weight.dtype == torch.bfloat16
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.bf16_kernel and qkv.weight.dtype == torch.bfloat16
+        assert model.model.norm.weight.dtype == torch.float32  # norms (and everything else) stay fp32
+        compare_greedy(pipe, prompts, ref, 16, atol=2e-3)
+    finally:
+        pipe.destroy()
+
+
+def test_explicit_float32_keeps_float32_weights(tmp_path, tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
+    path = tiny_checkpoint(LlamaConfig(vocab_size=49152, **TINY), tmp_path, tokenizer_dir)
+    pipe = mii.pipeline(str(path), dtype="float32")
+    try:
+        assert (pipe.engine_plan.weight_dtype, pipe.engine_plan.linear_backend) == ("float32", "torch")
+        assert pipe.engine.loaded.model.lm_head.weight.dtype == torch.float32
+    finally:
+        pipe.destroy()
