@@ -94,6 +94,48 @@ def test_pipeline_call_with_a_failing_sequence_raises_and_others_go_on(pipe, fau
     assert pipe("Hello", **kw)[0].generated_length == 8
 
 
+def test_replica_engine_loop_fails_only_the_call_that_owns_the_failing_sequence(pipe, faulty):
+    """The replica's engine thread: the call whose sequence fails gets the EngineStepError (its other sequence is
+    aborted), a call sharing the steps gets its full answer."""
+    import asyncio
+
+    from mii.serving.replica import EngineLoop, _Sink
+
+    engine = pipe.engine
+    inputs = InputProcessor(pipe.tokenizer, engine.limits)
+    kw = dict(max_new_tokens=8, do_sample=False, ignore_eos=True)
+    expected = pipe("Once upon a time", **kw)[0].token_ids
+    thread = EngineLoop(engine)
+
+    async def call(prompts, kwargs):
+        sink = _Sink(asyncio.get_running_loop())
+        thread.submit(inputs.process(prompts, kwargs)[0], sink)
+        kind, uids = await sink.queue.get()
+        assert kind == "added"
+        tokens, done = {u: [] for u in uids}, set()
+        while len(done) < len(uids):
+            kind, value = await asyncio.wait_for(sink.queue.get(), 60)
+            if kind == "error":
+                return value
+            for o in value:
+                tokens[o.uid] += o.token_ids
+                if o.finished:
+                    done.add(o.uid)
+        return [tokens[u] for u in uids]
+
+    async def both():
+        return await asyncio.gather(call(["Once upon a time"], kw), call(["Hello", "there"], dict(kw, seed=MARK)))
+
+    thread.start()
+    try:
+        good, bad = asyncio.run(both())
+    finally:
+        thread.stop()
+    assert good == [expected]
+    assert isinstance(bad, EngineStepError) and "injected fault" in str(bad)
+    assert_engine_empty(engine)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(seed=2**63 - 1, n=2, do_sample=True), "seed: must be <= 9223372036854775806"),
     (dict(seed=2**64), "seed: must be <= 9223372036854775807"),
