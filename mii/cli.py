@@ -54,7 +54,8 @@ def cmd_serve(args) -> int:
     kwargs = dict(dtype=args.dtype, device=args.device, replica_num=args.replicas, port_number=args.grpc_port,
                   tensor_parallel=args.tensor_parallel,
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
-                  max_waiting_requests=args.max_waiting, api_key=args.api_key)
+                  max_waiting_requests=args.max_waiting, api_key=args.api_key, request_timeout=args.request_timeout,
+                  drain_timeout=args.drain_timeout)
     if args.deployment_name:
         kwargs["deployment_name"] = args.deployment_name
     if args.max_context:
@@ -113,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every HTTP route but /health")
     v.add_argument("--max-waiting", type=int, default=None,
                    help="requests an engine may queue before refusing new ones with 429 (default: unbounded)")
+    v.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request not finished after this long: 504 / DEADLINE_EXCEEDED (default: no limit)")
+    v.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, time requests in flight get to finish while new ones get 503; a second "
+                        "signal stops at once (default: 30)")
     v.add_argument("--max-context", type=int, default=None, help="longest sequence accepted (default: the model's)")
     v.add_argument("--num-threads", type=int, default=None, help="CPU threads per engine process (default: cores / (replicas x tensor-parallel ranks))")
     v.add_argument("--quiet", action="store_true", help="log warnings only")

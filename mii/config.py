@@ -167,6 +167,13 @@ class MIIConfig(_Config):
     max_waiting_requests: Optional[int] = Field(None, ge=0)
     """Requests an engine may hold waiting for a slot before new ones are refused at once (gRPC RESOURCE_EXHAUSTED,
     HTTP 429); unbounded (up to `max_tracked_sequences`) when unset."""
+    request_timeout: Optional[float] = Field(None, gt=0)
+    """Seconds a request may take from arrival to its last token; past it the request is aborted (its KV blocks
+    freed) and answered with gRPC DEADLINE_EXCEEDED / HTTP 504. A client's own gRPC deadline applies as well.
+    No limit when unset."""
+    drain_timeout: float = Field(30.0, ge=0)
+    """On shutdown (`terminate_server`, SIGTERM, SIGINT): seconds the requests in flight get to finish while new ones
+    are refused (503 / UNAVAILABLE); those still running then end with an error. A second signal stops at once."""
     api_key: Optional[str] = Field(None, repr=False)
     """When set, the HTTP API requires `Authorization: Bearer <api_key>` on every route but `/health`."""
     model_config_: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")

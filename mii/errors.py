@@ -70,6 +70,11 @@ class EngineStepError(MIIError, RuntimeError):
     are dropped; the message says what failed."""
 
 
+class RequestTimeoutError(MIIError, TimeoutError):
+    """A request that did not finish within its time limit (`request_timeout`, or the caller's gRPC deadline); it
+    was aborted (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
+
+
 class TensorParallelError(MIIError, RuntimeError):
     """A tensor-parallel rank failed (died, or could not join its group); the group is down."""
 

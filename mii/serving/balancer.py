@@ -1,9 +1,14 @@
 """The load balancer of a deployment's front process: routes each request to the live replica with the fewest
 outstanding sequences (prompts × n; ties in turn), forwards it over gRPC as a stream, retries on another replica
-when one died before answering, and takes dead replicas out of rotation. `BalancerServicer` exposes it as MII's gRPC
-service; the HTTP gateway calls `LoadBalancer.stream` / `generate` directly, in the same event loop.
+when one died before answering, and takes dead replicas out of rotation (the deployment restarts them and puts the
+new process in with `replace`). `BalancerServicer` exposes it as MII's gRPC service; the HTTP gateway calls
+`LoadBalancer.stream` / `generate` directly, in the same event loop.
 
-Closing a stream early (client gone, deadline passed) cancels the replica call, which aborts the sequences.
+Closing a stream early (client gone, deadline passed) cancels the replica call, which aborts the sequences. Every
+request has a deadline when `request_timeout` is set (or its gRPC caller gave one), passed on to the replica, so an
+expired request is aborted there too. A request whose replica dies after it answered ends at once with
+`DeploymentUnavailableError` (503): its tokens so far cannot be resumed elsewhere. While the deployment drains for
+shutdown, new requests are refused the same way and `in_flight` counts down.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from typing import AsyncIterator, Callable, Optional
 import grpc
 from google.protobuf import empty_pb2
 
-from mii.errors import DeploymentUnavailableError, MIIError
+from mii.errors import (DeploymentUnavailableError, KVCacheError, MIIError, RequestTimeoutError, ServerOverloadedError,
+                        UnknownArgument, ValidationError)
 from mii.serving.metrics import Metrics
 from mii.engine.outputs import ResponseJoiner
 from mii.response import Response
@@ -43,9 +49,19 @@ class Replica:
 
 
 class LoadBalancer:
-    def __init__(self, metrics: Optional[Metrics] = None):
+    def __init__(self, metrics: Optional[Metrics] = None, request_timeout: Optional[float] = None,
+                 expected: int = 0):
         self.metrics = metrics or Metrics()
         self.replicas: list[Replica] = []
+        self.request_timeout = request_timeout
+        self.expected = expected
+        """Replicas the deployment is configured with (fewer live ones: degraded)."""
+        self.in_flight = 0
+        """Requests being served (each `stream` from its first step to its end)."""
+        self.draining = False
+        """Shutting down: new requests are refused with `DeploymentUnavailableError`."""
+        self.closing_reason: Optional[str] = None
+        """Set when the replicas are stopped under requests still in flight: the error those requests end with."""
         self._turn = itertools.count()
 
     def add(self, replica: Replica) -> None:
@@ -53,6 +69,19 @@ class LoadBalancer:
         replica.stub = pb2_grpc.ModelResponseStub(replica.channel)
         self.replicas.append(replica)
         self.metrics.up.labels(str(replica.index)).set(1)
+
+    async def replace(self, replica: Replica) -> None:
+        """Put a restarted replica in rotation in place of the dead one with its index."""
+        old = next((r for r in self.replicas if r.index == replica.index), None)
+        self.add(replica)
+        if old is not None:
+            self.replicas.remove(old)
+            await old.channel.close()
+        self.replicas.sort(key=lambda r: r.index)
+
+    @property
+    def degraded(self) -> bool:
+        return len(self.live) < self.expected
 
     @property
     def live(self) -> list[Replica]:
@@ -79,8 +108,26 @@ class LoadBalancer:
         ties = [r for r in live if r.outstanding == least]
         return ties[next(self._turn) % len(ties)]
 
-    async def stream(self, request) -> AsyncIterator:
-        """Forward one request; yield the replica's `MultiGenerationReply` chunks. Raises typed mii errors."""
+    async def stream(self, request, timeout: Optional[float] = None) -> AsyncIterator:
+        """Forward one request; yield the replica's `MultiGenerationReply` chunks. Raises typed mii errors.
+        `timeout`: the caller's own deadline in seconds (a gRPC client's), besides `request_timeout`."""
+        self.in_flight += 1
+        try:
+            async for reply in self._stream(request, timeout):
+                yield reply
+        except MIIError as e:
+            self.metrics.errors.labels(_error_kind(e)).inc()
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _stream(self, request, timeout: Optional[float]) -> AsyncIterator:
+        if self.draining:
+            raise DeploymentUnavailableError("the deployment is shutting down and takes no new requests")
+        limits = [(t, why) for t, why in ((self.request_timeout, "request_timeout"), (timeout, "the caller's deadline"))
+                  if t is not None]
+        limit, why = min(limits) if limits else (None, "")
+        deadline = None if limit is None else time.monotonic() + limit
         weight = num_sequences(request)
         tried: list[Replica] = []
         while True:
@@ -88,7 +135,8 @@ class LoadBalancer:
             tried.append(replica)
             tracker = self.metrics.track(replica.index)
             replica.outstanding += weight
-            call = replica.stub.GeneratorReplyStream(request)
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            call = replica.stub.GeneratorReplyStream(request, timeout=remaining)
             answered = finished = False
             try:
                 async for reply in call:
@@ -99,21 +147,33 @@ class LoadBalancer:
                 tracker.finish()
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and not answered:
+                error = error_from_rpc(e)
+                if type(error) is not DeploymentUnavailableError:
+                    raise error from None  # the replica's own typed error (invalid, overloaded, ...)
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+                    raise RequestTimeoutError(f"the request did not finish within {limit:g} s ({why}); "
+                                              "it was aborted") from None
+                if self.closing_reason is not None:
+                    raise DeploymentUnavailableError(self.closing_reason) from None
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not answered and not self.draining:
                     await asyncio.sleep(0.05)  # let the process table catch up with a replica that just died
                     if replica.exited() or not await self._answers(replica):
                         self.mark_dead(replica, f"{e.code().name}: {e.details()}")
-                        continue
-                raise error_from_rpc(e) from None
+                        continue  # nothing was sent to the caller yet: run it on another replica
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise DeploymentUnavailableError(
+                        f"replica {replica.index} went away while serving this request ({e.code().name}); the "
+                        "request did not finish: retry it") from None
+                raise error from None
             finally:
                 replica.outstanding -= weight
                 if not finished:
                     call.cancel()
 
-    async def generate(self, request) -> list[Response]:
+    async def generate(self, request, timeout: Optional[float] = None) -> list[Response]:
         """Forward one request; the whole responses (its streamed chunks joined)."""
         joined = ResponseJoiner()
-        async for reply in self.stream(request):
+        async for reply in self.stream(request, timeout):
             joined.add(from_multi_reply(reply))
         return joined.responses()
 
@@ -147,6 +207,15 @@ class LoadBalancer:
             await r.channel.close()
 
 
+def _error_kind(e: MIIError) -> str:
+    """The `kind` label of `mii_request_errors_total`."""
+    for cls, kind in ((RequestTimeoutError, "timeout"), ((ServerOverloadedError, KVCacheError), "overloaded"),
+                      (DeploymentUnavailableError, "unavailable"), ((ValidationError, UnknownArgument), "invalid")):
+        if isinstance(e, cls):
+            return kind
+    return "internal"
+
+
 class BalancerServicer(pb2_grpc.ModelResponseServicer):
     """MII's gRPC service in front of the replicas."""
 
@@ -155,7 +224,7 @@ class BalancerServicer(pb2_grpc.ModelResponseServicer):
         self.on_terminate = on_terminate
 
     async def GeneratorReplyStream(self, request, context):
-        stream = self.lb.stream(request)
+        stream = self.lb.stream(request, context.time_remaining())
         try:
             async for reply in stream:
                 yield reply
@@ -167,7 +236,8 @@ class BalancerServicer(pb2_grpc.ModelResponseServicer):
     async def GeneratorReply(self, request, context):
         start = time.perf_counter()
         try:
-            return to_multi_reply(await self.lb.generate(request), time.perf_counter() - start)
+            return to_multi_reply(await self.lb.generate(request, context.time_remaining()),
+                                  time.perf_counter() - start)
         except MIIError as e:
             await context.abort(*error_status(e))
 

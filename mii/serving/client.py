@@ -120,13 +120,19 @@ class MIIClient:
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
 
-    def terminate_server(self, timeout: float = 30.0) -> None:
-        """Stop every process of the deployment; returns once they are gone."""
+    def terminate_server(self, timeout: Optional[float] = None) -> None:
+        """Stop every process of the deployment; returns once they are gone. Requests in flight get the
+        deployment's `drain_timeout` to finish; `timeout` (default: that plus 30 s) bounds the whole wait."""
+        if timeout is None:
+            timeout = self.mii_config.drain_timeout + 30.0
+        record = records.read(self.deployment_name) or self.record  # replicas restarted since: their new pids
+        if record.get("pid") != self.record["pid"]:
+            record = self.record
         try:
             self._stub_sync().Terminate(empty_pb2.Empty(), timeout=10)
         except grpc.RpcError:
             pass  # already stopping or gone: make sure below
-        pids = [self.record["pid"]] + [r["pid"] for r in self.record.get("replicas", ())]
+        pids = [record["pid"]] + [r["pid"] for r in record.get("replicas", ())]
         deadline = time.monotonic() + timeout
         if self._process is not None:
             try:

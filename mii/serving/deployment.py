@@ -1,7 +1,12 @@
 """The front process of a deployment: claims the deployment's record, starts the load balancer's gRPC server
 (MII's service + `grpc.health.v1`) and, when asked, the HTTP gateway, spawns one engine process per replica
-(CPU threads divided between them), puts each in rotation once it reports ready, watches them, and on
-`Terminate`, SIGTERM or SIGINT stops everything it started and removes the record.
+(CPU threads divided between them, or GPUs given to each after `device_map`), puts each in rotation once it
+reports ready, and supervises them: a replica whose process dies (killed, out of memory, a crash) leaves rotation
+at once and is started again — its whole tensor-parallel group — with backoff while it keeps failing.
+
+On `Terminate`, SIGTERM or SIGINT it drains: new requests are refused (503 / UNAVAILABLE) while those in flight
+get `drain_timeout` seconds to finish; then it stops every process it started and removes the record. A second
+signal cuts the drain short and kills what is left.
 
 Started detached by `mii.serve` (`python -m mii.serving.deployment`, spec on stdin, log in the deployments
 folder) or in the foreground by `mii serve`.
@@ -27,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mii.children import child_main, read_error, spawn, wait_or_kill
-from mii.config import MIIConfig
+from mii.config import DEVICE_MAP_DEFAULT, MIIConfig
 from mii.errors import MIIError, ValidationError
 from mii.serving import records
 from mii.serving.balancer import BalancerServicer, LoadBalancer, Replica
@@ -68,6 +73,13 @@ def http_server(app):
     return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, timeout_keep_alive=5))
 
 
+RESTART_BACKOFF_S = 0.5
+"""Wait before restarting a replica that died; doubled for each death or failed start in a row, up to the max."""
+RESTART_BACKOFF_MAX_S = 30.0
+STABLE_S = 60.0
+"""A replica that served this long before dying starts again from the shortest wait."""
+
+
 class Deployment:
     def __init__(self, cfg: MIIConfig, announce: Callable[[str], None] = print):
         self.cfg = cfg
@@ -75,15 +87,23 @@ class Deployment:
         self.announce = announce
         self.host = bind_host(cfg.restful_api_host)
         self.stop_event = asyncio.Event()
+        self.force = asyncio.Event()
+        """Set by a second signal (or Terminate) while stopping: no more draining, kill what is left."""
         self.metrics = Metrics()
-        self.lb = LoadBalancer(self.metrics)
+        self.lb = LoadBalancer(self.metrics, cfg.request_timeout, cfg.model_config_.replica_num)
         self.health = health.aio.HealthServicer()
-        self.processes: list[subprocess.Popen] = []
+        self.processes: dict[int, subprocess.Popen] = {}
+        """Each replica's current engine process (rank 0 of its tensor-parallel group, the group's leader)."""
+        self.launches: dict[int, tuple[dict, dict]] = {}
+        """Each replica's (spec, environment), to start it again the same way."""
         self.served: Optional[ServedModel] = None
         self._tmp = Path(tempfile.mkdtemp(prefix=f"mii-{self.name}-"))
         self._grpc: Optional[grpc.aio.Server] = None
         self._http = None
         self._http_task: Optional[asyncio.Task] = None
+        self._restarting: set[int] = set()
+        self._failures: dict[int, int] = {}
+        self._up_since: dict[int, float] = {}
         self.record: dict = {}
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
@@ -98,7 +118,7 @@ class Deployment:
         records.claim(self.record)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_event.set)
+            loop.add_signal_handler(sig, self.stop)
         try:
             await self._start()
             await self.stop_event.wait()
@@ -107,10 +127,18 @@ class Deployment:
             await self._shutdown()
             records.remove(self.name, os.getpid())
 
+    def stop(self) -> None:
+        """Begin a graceful stop (drain, then exit); called again while stopping, stop at once."""
+        if self.stop_event.is_set():
+            if not self.force.is_set():
+                log.warning("deployment %r: stopping at once", self.name)
+            self.force.set()
+        self.stop_event.set()
+
     async def _start(self) -> None:
         cfg = self.cfg
         server = self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + CHANNEL_OPTIONS)
-        pb2_grpc.add_ModelResponseServicer_to_server(BalancerServicer(self.lb, self.stop_event.set), server)
+        pb2_grpc.add_ModelResponseServicer_to_server(BalancerServicer(self.lb, self.stop), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
@@ -128,9 +156,8 @@ class Deployment:
         await self._start_replicas()
         await self._load_model_info()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.record.update(state="ready", replicas=[
-            {"index": r.index, "pid": r.process.pid, "address": r.address} for r in self.lb.replicas])
-        records.write(self.record)
+        self.record["state"] = "ready"
+        self._write_record()
         asyncio.create_task(self._monitor())
         http = ""
         if cfg.enable_restful_api:
@@ -139,43 +166,61 @@ class Deployment:
         self.announce(f"mii: deployment {self.name!r} ready with {len(self.lb.replicas)} replica(s) of "
                       f"{self.served.name}: gRPC {self.record['host']}:{cfg.port_number}{http}")
 
+    def _write_record(self) -> None:
+        self.record["replicas"] = [{"index": r.index, "pid": r.process.pid, "address": r.address}
+                                   for r in self.lb.replicas]
+        records.write(self.record)
+
     async def _set_health(self, status) -> None:
         await self.health.set("", status)
         await self.health.set(_SERVICE, status)
 
+    # --- replicas ------------------------------------------------------------------------------------------------
+
     async def _start_replicas(self) -> None:
         mc = self.cfg.model_config_
         threads = replica_threads(self.cfg)
-        waiting = {}
+        devices = replica_devices(mc, gpu_count())
         for i in range(mc.replica_num):
-            # each replica's tensor-parallel group meets on its own port
-            own = mc.model_copy(update={"num_threads": threads, "torch_dist_port": mc.torch_dist_port + i})
-            spec = dict(index=i, model_config=own.model_dump(mode="json"),
-                        max_waiting_requests=self.cfg.max_waiting_requests, model_name=self.served.name,
-                        log_level=log.getEffectiveLevel(),
-                        ready_file=str(self._tmp / f"replica{i}.ready"), error_file=str(self._tmp / f"replica{i}.error"))
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
-            proc = spawn("mii.serving.replica", spec, env=env, start_new_session=True)
-            self.processes.append(proc)
-            waiting[i] = (proc, spec)
-        log.info("deployment %r: %d replica(s) of %s loading, %d thread(s) each", self.name, mc.replica_num,
-                 self.served.name, threads)
+            self.launches[i] = replica_launch(self.cfg, i, threads, devices[i], self._tmp, self.served.name)
+            self._spawn(i)
+        log.info("deployment %r: %d replica(s) of %s loading, %d thread(s) each%s", self.name, mc.replica_num,
+                 self.served.name, threads, "".join(f"; replica {i} on GPU(s) {d}" for i, d in enumerate(devices) if d))
+        waiting = set(range(mc.replica_num))
         while waiting:
-            for i, (proc, spec) in list(waiting.items()):
-                ready = Path(spec["ready_file"])
-                if ready.is_file():
-                    port = json.loads(ready.read_text())["port"]
-                    self.lb.add(Replica(i, f"127.0.0.1:{port}", proc))
-                    del waiting[i]
-                elif proc.poll() is not None:
-                    error = read_error(spec["error_file"])
-                    if error is not None:
-                        raise error
-                    raise MIIError(f"replica {i} exited with code {proc.returncode} while loading "
-                                   f"(see {self.record['log']})")
+            for i in sorted(waiting):
+                replica = self._poll_ready(i)
+                if replica is not None:
+                    self.lb.add(replica)
+                    self._up_since[i] = time.monotonic()
+                    waiting.discard(i)
             if self.stop_event.is_set():
                 raise MIIError("stopped while loading")
             await asyncio.sleep(0.05)
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        spec, env = self.launches[index]
+        for f in (spec["ready_file"], spec["error_file"]):
+            Path(f).unlink(missing_ok=True)
+        # its own session: a signal to the front's terminal does not reach it, and its group is its ranks
+        proc = self.processes[index] = spawn("mii.serving.replica", spec, env=env, start_new_session=True)
+        return proc
+
+    def _poll_ready(self, index: int) -> Optional[Replica]:
+        """The replica once its process reports ready; None while it loads; its typed error if it exited."""
+        spec, _ = self.launches[index]
+        proc = self.processes[index]
+        ready = Path(spec["ready_file"])
+        if ready.is_file():
+            port = json.loads(ready.read_text())["port"]
+            return Replica(index, f"127.0.0.1:{port}", proc)
+        if proc.poll() is not None:
+            error = read_error(spec["error_file"])
+            if error is not None:
+                raise error
+            raise MIIError(f"replica {index} exited with code {proc.returncode} while loading "
+                           f"(see {self.record['log']})")
+        return None
 
     async def _load_model_info(self) -> None:
         stats = await self.lb.stats()
@@ -185,9 +230,14 @@ class Deployment:
         self.served.ready = True
 
     async def _monitor(self) -> None:
+        """Restart replicas whose process died; gRPC health NOT_SERVING while none is up."""
         was_serving = True
         while not self.stop_event.is_set():
             self.lb.check()
+            for r in self.lb.replicas:
+                if not r.alive and r.index not in self._restarting:
+                    self._restarting.add(r.index)
+                    asyncio.create_task(self._restart(r.index))
             serving = bool(self.lb.live)
             if serving != was_serving:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING if serving
@@ -195,24 +245,216 @@ class Deployment:
                 if not serving:
                     log.error("deployment %r: no replica left", self.name)
                 was_serving = serving
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
+
+    async def _restart(self, index: int) -> None:
+        """Start a dead replica again — its whole tensor-parallel group — with backoff while it keeps failing."""
+        try:
+            if time.monotonic() - self._up_since.get(index, 0.0) > STABLE_S:
+                self._failures[index] = 0
+            while not self.stop_event.is_set():
+                fails = self._failures.get(index, 0)
+                self._failures[index] = fails + 1
+                delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** fails)
+                log.warning("deployment %r: replica %d is down; restarting it in %.1f s", self.name, index, delay)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop_event.wait(), delay)
+                if self.stop_event.is_set():
+                    return
+                await asyncio.to_thread(end_group, self.processes[index])  # what is left of the old group
+                self._spawn(index)
+                try:
+                    replica = None
+                    while replica is None and not self.stop_event.is_set():
+                        await asyncio.sleep(0.05)
+                        replica = self._poll_ready(index)
+                except Exception as e:
+                    log.error("deployment %r: replica %d failed to start again: %s", self.name, index, e)
+                    continue
+                if replica is None:
+                    return
+                await self.lb.replace(replica)
+                self._up_since[index] = time.monotonic()
+                self.metrics.restarts.labels(str(index)).inc()
+                self._write_record()
+                log.warning("deployment %r: replica %d restarted (pid %d); %d of %d up", self.name, index,
+                            replica.process.pid, len(self.lb.live), self.lb.expected)
+                return
+        finally:
+            self._restarting.discard(index)
+
+    # --- shutdown ------------------------------------------------------------------------------------------------
 
     async def _shutdown(self) -> None:
+        """Refuse new requests (503 / UNAVAILABLE), let those in flight finish within `drain_timeout` (a second
+        signal cuts it short), then stop the replicas, the servers, and remove what this deployment made."""
+        self.lb.draining = True
+        self.record["state"] = "stopping"
+        with contextlib.suppress(Exception):
+            records.write(self.record)
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._drain()
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
+        procs = list(self.processes.values())
+        if self.force.is_set():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        else:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        await asyncio.to_thread(wait_or_kill, procs, 0.5 if self.force.is_set() else 5)
+        for p in procs:  # tensor-parallel ranks that outlived their leader
+            await asyncio.to_thread(end_group, p)
         if self._http is not None:
             self._http.should_exit = True
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._http_task, 5)
-        for p in self.processes:
-            if p.poll() is None:
-                p.terminate()
-        wait_or_kill(self.processes, 5)
+                await asyncio.wait_for(self._http_task, 0.5 if self.force.is_set() else 5)
         if self._grpc is not None:
-            await self._grpc.stop(grace=0.5)
+            await self._grpc.stop(grace=0 if self.force.is_set() else 0.5)
         with contextlib.suppress(Exception):
             await self.lb.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    async def _drain(self) -> None:
+        timeout = self.cfg.drain_timeout
+        if self.lb.in_flight:
+            log.info("deployment %r draining: %d request(s) in flight get up to %g s to finish", self.name,
+                     self.lb.in_flight, timeout)
+        deadline = time.monotonic() + timeout
+        while self.lb.in_flight and time.monotonic() < deadline and not self.force.is_set():
+            await asyncio.sleep(0.05)
+        if self.lb.in_flight:
+            self.lb.closing_reason = (
+                "the deployment was stopped at once before this request finished" if self.force.is_set() else
+                f"the deployment shut down before this request finished (drain_timeout={timeout:g} s)")
+            log.warning("deployment %r: %d request(s) still in flight end now: %s", self.name, self.lb.in_flight,
+                        self.lb.closing_reason)
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _device_map_lists(device_map) -> Optional[list[list[int]]]:
+    """MII's `device_map` forms as one list of GPU-id lists (one per replica); None for "auto"."""
+    if device_map == DEVICE_MAP_DEFAULT:
+        return None
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return [[device_map]]
+    if isinstance(device_map, dict):
+        here = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+        others = sorted(str(h) for h in device_map if h not in here)
+        if others:
+            raise ValidationError("device_map", f"names host(s) {', '.join(others)}: a deployment runs on this host "
+                                                "only (key it by 'localhost')")
+        lists = [x for v in device_map.values() for x in (v if isinstance(v, list) else [v])]
+    elif isinstance(device_map, list) and device_map and all(isinstance(x, int) for x in device_map):
+        lists = [device_map]
+    elif isinstance(device_map, list):
+        lists = device_map
+    else:
+        raise ValidationError("device_map", f"expected 'auto', a GPU id, a list of GPU ids (one replica), a list of "
+                                            f"such lists (one per replica) or {{host: lists}}; got {device_map!r}")
+    if not all(isinstance(ids, list) and ids and all(isinstance(d, int) and not isinstance(d, bool) for d in ids)
+               for ids in lists):
+        raise ValidationError("device_map", f"each replica needs a non-empty list of GPU ids; got {device_map!r}")
+    return lists
+
+
+def replica_devices(mc, gpus: int) -> list[Optional[list[int]]]:
+    """The GPU ids (indices among the visible GPUs) of each replica, one per tensor-parallel rank, following
+    `device_map` (MII's meaning; "auto": replica i takes GPUs i*tp .. (i+1)*tp-1), or None per replica when the
+    deployment runs on CPU or on the one GPU `device="cuda:N"` names. A layout that would put two ranks on one GPU,
+    or that this host cannot hold, is refused: each engine plans its KV cache from all of its GPU's free memory."""
+    n, tp = mc.replica_num, mc.tensor_parallel
+    lists = _device_map_lists(mc.device_map)
+    on_gpu = mc.device.startswith("cuda") or (mc.device == "auto" and gpus > 0)
+    if not on_gpu:
+        if lists is not None:
+            raise ValidationError("device_map", f"{mc.device_map!r} names GPUs, but this deployment runs on the CPU "
+                                                f"(device={mc.device!r}, {gpus} GPU(s) visible); leave it 'auto'")
+        return [None] * n
+    if ":" in mc.device:  # one named GPU
+        if lists is not None or n > 1:
+            raise ValidationError("device", f"{mc.device!r} puts every replica on one GPU; with replica_num={n} "
+                                            "leave device 'cuda' or 'auto' and give each replica its GPUs with "
+                                            "device_map" if n > 1 else
+                                            f"{mc.device!r} and device_map={mc.device_map!r} both place the model: "
+                                            "give one of them")
+        return [None]
+    if lists is None:
+        if n * tp > gpus:
+            raise ValidationError("replica_num", f"{n} replica(s) x tensor_parallel={tp} need {n * tp} GPUs (one per "
+                                                 f"rank), and {gpus} are visible; lower replica_num or "
+                                                 "tensor_parallel")
+        lists = [list(range(i * tp, (i + 1) * tp)) for i in range(n)]
+    if len(lists) != n:
+        raise ValidationError("device_map", f"has {len(lists)} replica placement(s) for replica_num={n}: give one "
+                                            "list of GPU ids per replica")
+    seen: set[int] = set()
+    for i, ids in enumerate(lists):
+        if len(ids) != tp:
+            raise ValidationError("device_map", f"replica {i} has {len(ids)} GPU(s) {ids}, and tensor_parallel={tp} "
+                                                "needs one per rank")
+        bad = [d for d in ids if not 0 <= d < gpus]
+        if bad:
+            raise ValidationError("device_map", f"replica {i}: GPU id(s) {bad} are not among the {gpus} visible GPUs "
+                                                f"(0..{gpus - 1})")
+        shared = sorted(seen.intersection(ids)) + sorted({d for d in ids if ids.count(d) > 1})
+        if shared:
+            raise ValidationError("device_map", f"GPU(s) {sorted(set(shared))} appear twice: each rank needs a GPU of "
+                                                "its own (every engine plans its KV cache from the whole GPU)")
+        seen.update(ids)
+    return lists
+
+
+def replica_launch(cfg: MIIConfig, index: int, threads: int, gpus: Optional[list[int]], tmp: Path,
+                   model_name: str) -> tuple[dict, dict]:
+    """The spec and environment of replica `index`'s engine process. With GPUs, CUDA_VISIBLE_DEVICES narrows the
+    process (and its tensor-parallel ranks, which inherit it) to them, so rank r takes the r-th of its own GPUs."""
+    mc = cfg.model_config_
+    # each replica's tensor-parallel group meets on its own port
+    update = {"num_threads": threads, "torch_dist_port": mc.torch_dist_port + index}
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
+    if gpus is not None:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[d] if visible else str(d) for d in gpus)
+        update["device_map"] = DEVICE_MAP_DEFAULT
+    own = mc.model_copy(update=update)
+    spec = dict(index=index, model_config=own.model_dump(mode="json"),
+                max_waiting_requests=cfg.max_waiting_requests, model_name=model_name,
+                log_level=log.getEffectiveLevel(),
+                ready_file=str(tmp / f"replica{index}.ready"), error_file=str(tmp / f"replica{index}.error"))
+    return spec, env
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of a replica's process group (its tensor-parallel ranks; the replica leads the group, as
+    it was started in its own session). Only processes of that group that run mii are touched."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in _group_members(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and b"mii." in (entry / "cmdline").read_bytes():
+                members.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return members
 
 
 def http_listener(host: str, port: int) -> socket.socket:

@@ -48,8 +48,11 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         if not model.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         if not lb.live:
-            return JSONResponse({"status": "unavailable", "replicas": 0}, status_code=503)
-        return {"status": "ok", "replicas": len(lb.live)}
+            return JSONResponse({"status": "unavailable", "replicas": 0, "configured": lb.expected}, status_code=503)
+        if lb.draining:
+            return JSONResponse({"status": "stopping", "replicas": len(lb.live)}, status_code=503)
+        # degraded: still serving (200), with fewer replicas than configured while the dead ones restart
+        return {"status": "degraded" if lb.degraded else "ok", "replicas": len(lb.live), "configured": lb.expected}
 
     @app.get("/metrics")
     async def metrics():

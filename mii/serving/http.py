@@ -66,6 +66,8 @@ def api_error(e: Exception, renames: Optional[dict] = None) -> APIError:
         return APIError(429, str(e), type="rate_limit_error", code="server_overloaded")
     if isinstance(e, errors.DeploymentUnavailableError):
         return APIError(503, str(e), type="service_unavailable", code="unavailable")
+    if isinstance(e, errors.RequestTimeoutError):
+        return APIError(504, str(e), type="timeout_error", code="request_timeout")
     log.error("internal error: %s: %s", type(e).__name__, e)
     return APIError(500, f"{type(e).__name__}: {e}", type="internal_error")
 

@@ -17,6 +17,14 @@ class Metrics:
         self.running = Gauge("mii_num_requests_running", "Sequences in the engine's running batch.", ["replica"], registry=r)
         self.waiting = Gauge("mii_num_requests_waiting", "Sequences waiting for a slot in the engine.", ["replica"], registry=r)
         self.kv_usage = Gauge("mii_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", ["replica"], registry=r)
+        self.kv_used = Gauge("mii_kv_cache_blocks_used", "KV cache blocks held by sequences.", ["replica"], registry=r)
+        self.kv_total = Gauge("mii_kv_cache_blocks_total", "KV cache blocks of the engine.", ["replica"], registry=r)
+        self.preemptions = Counter("mii_num_preemptions", "Sequences preempted (blocks freed, recomputed later) "
+                                   "because the KV cache ran out.", ["replica"], registry=r)
+        self.restarts = Counter("mii_replica_restarts", "Times the replica's process died and was started again.",
+                                ["replica"], registry=r)
+        self.errors = Counter("mii_request_errors", "Requests that ended with an error, by kind (overloaded, "
+                              "timeout, unavailable, invalid, internal).", ["kind"], registry=r)
         self.up = Gauge("mii_replica_up", "1 while the replica is in the load balancer's rotation.", ["replica"], registry=r)
         self.outstanding = Gauge("mii_replica_outstanding_requests", "Sequences the load balancer has in flight on "
                                  "the replica.", ["replica"], registry=r)
@@ -30,6 +38,7 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.e2e = Histogram("mii_e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
                              buckets=_E2E, registry=r)
+        self._preemptions: dict[tuple[str, int], int] = {}
 
     def render(self, stats) -> bytes:
         """Prometheus text, with the engine gauges set from `stats` (a list of `ReplicaStats`)."""
@@ -41,6 +50,12 @@ class Metrics:
                 self.running.labels(label).set(s.num_running)
                 self.waiting.labels(label).set(s.num_waiting)
                 self.kv_usage.labels(label).set(s.kv_cache_usage)
+                self.kv_used.labels(label).set(s.kv_blocks_used)
+                self.kv_total.labels(label).set(s.kv_blocks_total)
+                # the engine's count since its process started: a smaller one means a restarted replica
+                last = self._preemptions.get((label, s.pid), 0)
+                self.preemptions.labels(label).inc(max(0, s.num_preemptions - last))
+                self._preemptions[(label, s.pid)] = s.num_preemptions
         return generate_latest(self.registry)
 
     def track(self, replica: int) -> "RequestTracker":

@@ -173,6 +173,7 @@ _CODES = [  # most specific first
     (errors.ServerOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.KVCacheError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

@@ -92,7 +92,8 @@ class EngineLoop:
         kv = self.engine.kv
         return dict(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
                     kv_cache_usage=kv.usage, kv_blocks_total=kv.num_blocks,
-                    kv_blocks_used=kv.num_blocks - kv.allocator.num_free, prompt_tokens_total=self.prompt_tokens,
+                    kv_blocks_used=kv.num_blocks - kv.allocator.num_free, num_preemptions=self.engine.num_preemptions,
+                    prompt_tokens_total=self.prompt_tokens,
                     generation_tokens_total=self.generation_tokens, requests_total=self.requests)
 
     def _handle(self, cmd) -> None:
@@ -100,10 +101,9 @@ class EngineLoop:
             return
         if isinstance(cmd, _Add):
             try:
-                waiting = self.engine.num_waiting
-                if self.max_waiting is not None and waiting + len(cmd.requests) > self.max_waiting:
+                if self.max_waiting is not None and self.engine.num_queued(cmd.requests) > self.max_waiting:
                     raise ServerOverloadedError(
-                        f"the server is overloaded: {waiting} requests are waiting "
+                        f"the server is overloaded: {self.engine.num_queued()} requests are waiting for room "
                         f"(max_waiting_requests={self.max_waiting}); retry later")
                 uids = self.engine.add_requests(cmd.requests)
             except Exception as e:

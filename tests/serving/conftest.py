@@ -10,6 +10,7 @@ at the end even when a test fails.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -46,6 +47,16 @@ def stop(client) -> None:
             if records.pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     records.log_path(client.deployment_name).unlink(missing_ok=True)
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The sum of the samples of `name` (with these labels) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1):
