@@ -150,6 +150,11 @@ def _stop_strings(stop) -> tuple[str, ...]:
         raise ValidationError("stop", f"must be a string or a list of strings, got {stop!r}")
     if any(s == "" for s in stop):
         raise ValidationError("stop", "stop strings must not be empty")
+    for s in stop:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError("stop", f"{s!r:.60} is not valid Unicode (a lone surrogate)") from None
     return tuple(stop)
 
 

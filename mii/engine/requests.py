@@ -31,11 +31,22 @@ def encode_prompt(tokenizer, prompt: Prompt, add_special_tokens: bool = True) ->
     return list(prompt)
 
 
+def check_text(field: str, text: str) -> None:
+    """Text must be valid Unicode: JSON may carry a lone surrogate (an escaped \\ud800) that no tokenizer
+    encodes and no wire format carries."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValidationError(field, f"is not valid Unicode: {text[e.start:e.end]!r} at character {e.start} (a lone "
+                                     "surrogate)") from None
+
+
 def normalize_prompts(prompts) -> tuple[list[Prompt], bool]:
     """(prompts as a list, whether a single prompt was given). A flat list of ints is one token-id prompt."""
     if isinstance(prompts, str):
         if not prompts:
             raise ValidationError("prompts", "the prompt is empty")
+        check_text("prompts", prompts)
         return [prompts], True
     if isinstance(prompts, (list, tuple)) and prompts and _is_token_ids(prompts):
         return [list(prompts)], True
@@ -49,6 +60,8 @@ def normalize_prompts(prompts) -> tuple[list[Prompt], bool]:
             raise ValidationError(f"prompts[{i}]", f"must be a string or a list of token ids, got {p!r:.60}")
         if len(p) == 0:
             raise ValidationError(f"prompts[{i}]", "the prompt is empty")
+        if isinstance(p, str):
+            check_text(f"prompts[{i}]", p)
     return [p if isinstance(p, str) else list(p) for p in prompts], False
 
 

@@ -85,6 +85,10 @@ def test_error_info_keeps_the_completion_length():
     (["ok"], dict(stop_token_ids=[5, 100], min_new_tokens=2), ValidationError, "stop_token_ids: token id 100 is outside"),
     (["ok"], dict(stop_token_ids=[-3]), ValidationError, "stop_token_ids: token ids are >= 0"),
     (["ok"], dict(top_k=2**70), ValidationError, "top_k: must be <="),
+    # a lone surrogate: valid JSON ("\\ud800"), but no tokenizer encodes it and gRPC cannot carry it
+    (["ok", "a \ud800 b"], {}, ValidationError, r"prompts\[1\]: is not valid Unicode: '\\ud800' at character 2"),
+    ("\udfff", {}, ValidationError, "prompts: is not valid Unicode"),
+    (["ok"], dict(stop=["x\ud800"]), ValidationError, r"stop: 'x\\ud800' is not valid Unicode"),
 ])
 def test_any_bad_prompt_or_value_fails_the_whole_call(prompts, kwargs, error, words):
     with pytest.raises(error, match=words):
