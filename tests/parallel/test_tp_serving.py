@@ -1,7 +1,8 @@
 """`mii.serve(..., tensor_parallel=2, replica_num=2)`: each replica is a group of 2 processes (its engine process is
 rank 0 and starts rank 1), so the deployment is 1 front + 2 x 2 engine processes, with the cores divided between
 the 4 ranks. Requests are served with the TP=1 greedy output; a rank that dies takes its replica out of rotation
-(the other keeps serving); terminating stops every process, ranks included."""
+(the other keeps serving) and the deployment starts the replica again as a whole group (new rank 0, new rank 1);
+terminating stops every process, ranks included."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from transformers import LlamaConfig
 import mii
 from tests.parallel.conftest import KV, children, free_port, wait_gone
 from tests.reference import TINY, prompts_for, tiny_checkpoint
-from tests.serving.conftest import stop, unique_name
+from tests.serving.conftest import stop, unique_name, wait_until
 
 VOCAB = 49152
 
@@ -41,6 +42,17 @@ def test_tp2_replicas2_serve_and_survive_a_dead_rank(tmp_path, tokenizer_dir):
         for _ in range(3):
             out = client.generate(prompts[:2], max_new_tokens=16, do_sample=False, ignore_eos=True)
             assert [r.token_ids for r in out] == want[:2]
+        # ... and is started again as a whole group: a new rank 0 with a new rank 1, serving the same output
+        assert wait_until(lambda: all(s.alive for s in client.engine_stats()), timeout=120), client.engine_stats()
+        client.record = mii.client(client.deployment_name).record
+        restarted = next(r["pid"] for r in client.record["replicas"] if r["index"] == 0)
+        ranks[restarted] = children(restarted)
+        assert restarted != replicas[0] and len(ranks[restarted]) == 1 and rank1 not in ranks[restarted]
+        replicas.append(restarted)
+        for _ in range(2):  # both replicas again
+            out = client.generate(prompts, max_new_tokens=16, do_sample=False, ignore_eos=True)
+            assert [r.token_ids for r in out] == want
+        assert all(s.requests_total > 0 for s in client.engine_stats())
     finally:
         stop(client)
         everything = set(replicas) | {p for s in ranks.values() for p in s}
