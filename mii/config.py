@@ -86,7 +86,9 @@ class ModelConfig(_Config):
     torch_dist_port: int = Field(29500, ge=1, le=65535)
     """Rendezvous port of the tensor-parallel group on 127.0.0.1 (replica i of a deployment uses this + i)."""
     device_map: Any = DEVICE_MAP_DEFAULT
-    """MII's field; `auto` (one process per rank on this host) is the only placement."""
+    """MII's field: the GPUs of each replica, one id per tensor-parallel rank — a GPU id, a list of ids (one replica), a
+    list of such lists (one per replica) or {"localhost": lists}. `auto`: replica i takes GPUs i*tp .. (i+1)*tp-1.
+    No GPU may serve two ranks; see `mii.parallel.placement`."""
     all_rank_output: bool = False
     """Under torchrun: every rank's pipeline call returns rank 0's results (otherwise the other ranks get [])."""
     sync_debug: bool = False

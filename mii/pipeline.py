@@ -14,12 +14,13 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from mii.config import ModelConfig, build_config, split_kwargs
+from mii.config import DEVICE_MAP_DEFAULT, ModelConfig, build_config, split_kwargs
 from mii.engine.engine import Engine, RequestOutput
 from mii.engine.factory import build_engine
 from mii.engine.outputs import OutputProcessor
 from mii.envs import torchrun_env
 from mii.errors import UnknownArgument, ValidationError
+from mii.parallel.placement import gpu_count, pipeline_device
 from mii.response import Response
 
 log = logging.getLogger("mii")
@@ -185,4 +186,6 @@ def pipeline(model_name_or_path: Optional[str] = None, model_config=None, all_ra
         env = torchrun_env()
         if env is not None:
             cfg.tensor_parallel = env[1]
+    if cfg.device_map != DEVICE_MAP_DEFAULT:  # MII's placement: the GPU(s) to run on, or a clear refusal
+        cfg = cfg.model_copy(update={"device": pipeline_device(cfg, gpu_count()), "device_map": DEVICE_MAP_DEFAULT})
     return MIIPipeline(cfg, all_rank_output)

@@ -1,13 +1,16 @@
 """Which GPUs each replica (and each of its tensor-parallel ranks) gets, after MII's `device_map`, checked without a
-GPU: `replica_devices` is given the number of visible GPUs. A CPU deployment's replicas launch as before."""
+GPU: `replica_devices` and `pipeline_device` are given the number of visible GPUs. A CPU deployment's replicas
+launch as before, and `mii.pipeline` refuses a map it cannot follow before loading anything."""
 import os
 
 import pytest
 
+import mii
 from mii.config import MIIConfig, ModelConfig
 from mii.engine.plan import plan_device
 from mii.errors import ValidationError
-from mii.serving.deployment import replica_devices, replica_launch
+from mii.parallel.placement import pipeline_device, replica_devices
+from mii.serving.deployment import replica_launch
 
 
 def mc(**kw) -> ModelConfig:
@@ -73,3 +76,14 @@ def test_gpu_replica_sees_only_its_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # ids index the GPUs this process sees
     _, env = replica_launch(cfg, 1, 1, [2, 3], tmp_path, "m")
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+
+
+def test_pipeline_device():
+    assert pipeline_device(mc(), gpus=0) == "auto"
+    assert pipeline_device(mc(device_map=3), gpus=4) == "cuda:3"
+    assert pipeline_device(mc(device_map=[[1]]), gpus=2) == "cuda:1"
+    assert pipeline_device(mc(device_map=[0, 1], tensor_parallel=2, device="cuda"), gpus=2) == "cuda"
+    with pytest.raises(ValidationError, match="CUDA_VISIBLE_DEVICES=2,3"):
+        pipeline_device(mc(device_map=[2, 3], tensor_parallel=2), gpus=4)
+    with pytest.raises(ValidationError, match="device_map: .* runs on the CPU"):  # before: silently ignored
+        mii.pipeline("no-such-model", device_map=0, device="cpu")
