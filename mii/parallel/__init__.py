@@ -1,5 +1,6 @@
 """Tensor parallelism: which rank this process is and the collectives the layers call (`state`); how the ranks
-of a group meet, hand steps from rank 0 to the others and fail loudly (`group`); the spawned rank (`worker`).
+of a group meet, hand steps from rank 0 to the others and fail loudly (`group`); the spawned rank (`worker`);
+which GPUs the ranks of each replica take, after MII's `device_map` (`placement`).
 
 With one rank (the default) every collective is a no-op, so the layers need no special case.
 """
