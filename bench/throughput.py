@@ -132,7 +132,8 @@ def main():
     dtype = plan.torch_dtype
     gflops, gbps = matmul_gflops(dtype), copy_gbps()
     print(f"machine: {plan.dtype} matmul {gflops:.0f} GFLOP/s, copy {gbps:.0f} GB/s, {threads} threads; "
-          f"plan: attention {plan.attention}, token budget {plan.max_batch_tokens}", flush=True)
+          f"plan: attention {plan.attention}, weights {plan.weight_dtype} ({plan.linear_backend} linears), "
+          f"token budget {plan.max_batch_tokens}", flush=True)
     floor = workload_flops(pipe.engine.loaded.cfg, prompts, outputs) / (gflops * 1e9)
     bw_floor = gbps * 1e9 / weight_bytes(pipe)
 
@@ -150,7 +151,7 @@ def main():
         print(f"{'transformers':<14} W64 {hf:6.1f} s (generate, static batches of 16)", flush=True)
     cold = warm = None
     if not args.skip_startup:
-        cold, warm = startup_times(plan.dtype, threads)
+        cold, warm = startup_times(args.dtype, threads)
 
     r = results["mii"]
     print("\nsummary (same-run ratios)")

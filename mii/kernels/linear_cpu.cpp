@@ -120,14 +120,18 @@ void widen(const uint16_t* src, float* dst, int64_t count) {
 
 // Blocks of kGemmBlock weight rows in parallel: widen into a per-task buffer, then y[:, block] = x @ block.T.
 void blocked_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K, at::Tensor& y) {
-  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  // about kGemmBlock rows a block, in a multiple of the thread count so that no thread idles at the end
+  const int64_t threads = at::get_num_threads();
+  const int64_t blocks = ((N + kGemmBlock - 1) / kGemmBlock + threads - 1) / threads * threads;
+  const int64_t rows = ((N + blocks - 1) / blocks + 7) / 8 * 8;
   const bool inference = c10::InferenceMode::is_enabled();  // OpenMP threads do not inherit it
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
     c10::InferenceMode guard(inference);
-    std::vector<float> buf(kGemmBlock * K);
-    auto wt = at::from_blob(buf.data(), {kGemmBlock, K}, at::TensorOptions().dtype(at::kFloat));
+    std::vector<float> buf(rows * K);
+    auto wt = at::from_blob(buf.data(), {rows, K}, at::TensorOptions().dtype(at::kFloat));
     for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * kGemmBlock, nb = std::min(kGemmBlock, N - n0);
+      const int64_t n0 = blk * rows, nb = std::min(rows, N - n0);
+      if (nb <= 0) continue;
       widen(w + n0 * K, buf.data(), nb * K);
       auto out = y.narrow(1, n0, nb);
       at::mm_out(out, x, wt.narrow(0, 0, nb).t());
@@ -142,11 +146,11 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
   TORCH_CHECK(x.size(-1) == weight.size(1), "linear_bf16w: x has ", x.size(-1), " features, the weight ",
               weight.size(1));
   const int64_t N = weight.size(0), K = weight.size(1);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  // (no dispatcher calls for what a decode step already has: 2-D dense fp32 rows and a dense weight)
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
+  const at::Tensor xf = x2.scalar_type() == at::kFloat && x2.is_contiguous() ? x2 : x2.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
-  auto w = weight.contiguous();
+  const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
@@ -161,7 +165,11 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
     }
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  return y.to(x.scalar_type()).view(sizes);
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  if (x.dim() == 2) return y;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
 }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("linear_bf16w", &linear_bf16w_cpu); }
