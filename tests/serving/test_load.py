@@ -140,11 +140,11 @@ def test_terminate_drains_then_leaves_no_process(limited, url):
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "DeepSpeed is", "1 2 3 4", "Hello there"]
 LENGTHS = (3, 6, 10)
-CLIENTS, PER_CLIENT = 24, 10
+CLIENTS, PER_CLIENT = 32, 10
 
 
 def test_load_with_cancellations(deployment, base_url):
-    """240 requests from 24 concurrent clients, a third cancelled; the others match the greedy reference."""
+    """320 requests from 32 concurrent clients, a third cancelled; the others match the greedy reference."""
     want = {}  # (prompt, max_tokens) -> (text, token ids), computed on the idle deployment
     for p in PROMPTS:
         for n in LENGTHS:
