@@ -103,6 +103,7 @@ class Deployment:
         self._http = None
         self._http_task: Optional[asyncio.Task] = None
         self._restarting: set[int] = set()
+        self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self._failures: dict[int, int] = {}
         self._up_since: dict[int, float] = {}
         self.record: dict = {}
@@ -159,13 +160,18 @@ class Deployment:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.record["state"] = "ready"
         self._write_record()
-        asyncio.create_task(self._monitor())
+        self._task(self._monitor())
         http = ""
         if cfg.enable_restful_api:
             base = f"http://{self.record['host']}:{cfg.restful_api_port}"
             http = f", HTTP {base} (OpenAI API {base}/v1, REST {base}/mii/{self.name})"
         self.announce(f"mii: deployment {self.name!r} ready with {len(self.lb.replicas)} replica(s) of "
                       f"{self.served.name}: gRPC {self.record['host']}:{cfg.port_number}{http}")
+
+    def _task(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _write_record(self) -> None:
         self.record["replicas"] = [{"index": r.index, "pid": r.process.pid, "address": r.address}
@@ -238,7 +244,7 @@ class Deployment:
             for r in self.lb.replicas:
                 if not r.alive and r.index not in self._restarting:
                     self._restarting.add(r.index)
-                    asyncio.create_task(self._restart(r.index))
+                    self._task(self._restart(r.index))
             serving = bool(self.lb.live)
             if serving != was_serving:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING if serving
@@ -263,6 +269,8 @@ class Deployment:
                 if self.stop_event.is_set():
                     return
                 await asyncio.to_thread(end_group, self.processes[index])  # what is left of the old group
+                if self.stop_event.is_set():
+                    return
                 self._spawn(index)
                 try:
                     replica = None
