@@ -2,7 +2,7 @@
 bf16 on CPUs without native bf16 matmul against transformers on the same (bf16-valued) weights."""
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PhiConfig
 
 import mii
 from mii import kernels
@@ -43,19 +43,26 @@ def test_bf16_activations_and_leading_dims():
     assert torch.ops.mii.linear_bf16w(x[:0], w, None).shape == (0, 3, 40)
 
 
-def test_engine_keeps_bf16_weights_and_matches_transformers(tmp_path, tokenizer_dir, monkeypatch):
+def _bf16_values(model):
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):  # (Phi-2's biases start at 0: make them matter)
+            torch.nn.init.normal_(p, std=0.3)
+        p.data = p.data.bfloat16().float()
+
+
+FAMILIES = {"llama-tied": LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **TINY),
+            "phi2-biases": PhiConfig(vocab_size=49152, partial_rotary_factor=0.5,
+                                     **{k: v for k, v in TINY.items() if k != "num_key_value_heads"})}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_keeps_bf16_weights_and_matches_transformers(tmp_path, tokenizer_dir, monkeypatch, family):
     """On a CPU without native bf16 matmul (forced here), the auto dtype keeps activations in fp32 and the weights
     in bf16. On a checkpoint whose weights are bf16 values, that is exactly the fp32 model: greedy tokens
     identical to transformers and logprobs within 2e-3, for decode rows (the streaming kernel) and prompt
-    chunks (the blocked GEMM) alike."""
+    chunks (the blocked GEMM) alike; with biases (Phi-2: every linear and the LM head) and a tied LM head."""
     monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
-
-    def bf16_values(model):
-        for p in model.parameters():
-            p.data = p.data.bfloat16().float()
-
-    path = tiny_checkpoint(LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **TINY), tmp_path, tokenizer_dir,
-                           post_init=bf16_values)
+    path = tiny_checkpoint(FAMILIES[family], tmp_path, tokenizer_dir, post_init=_bf16_values)
     prompts = prompts_for(49152, lengths=(5, 37, 90, 3, 12))
     ref = hf_greedy(path, prompts, 16)
     pipe = mii.pipeline(str(path), inference_engine_config={"state_manager": {"max_ragged_batch_size": 48,
@@ -65,7 +72,8 @@ def test_engine_keeps_bf16_weights_and_matches_transformers(tmp_path, tokenizer_
         assert (plan.dtype, plan.weight_dtype, plan.linear_backend) == ("float32", "bfloat16", "kernel")
         model = pipe.engine.loaded.model
         head, embed = model.lm_head, model.model.embed_tokens
-        assert head.bf16_kernel and head.weight is embed.weight and embed.weight.dtype == torch.bfloat16
+        assert head.bf16_kernel and head.weight.dtype == embed.weight.dtype == torch.bfloat16
+        assert (head.weight is embed.weight) == (family == "llama-tied")
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert qkv.bf16_kernel and qkv.weight.dtype == torch.bfloat16
         assert model.model.norm.weight.dtype == torch.float32  # norms (and everything else) stay fp32
