@@ -63,7 +63,8 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
                      start_new_session=True)
     try:
         record = _wait_ready(name, proc, Path(error_file), log_file)
-    except BaseException:
+        client = MIIClient(record, process=proc)
+    except BaseException:  # nothing of a deployment that cannot be used is left running
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=30)
@@ -76,7 +77,7 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
         http = f", HTTP {base} (OpenAI API {base}/v1, REST {base}/mii/{name})"
     print(f"mii: deployment {name!r} ready ({len(record['replicas'])} replica(s)): gRPC "
           f"{record['host']}:{record['port']}{http}; log {log_file}", flush=True)
-    return MIIClient(record, process=proc)
+    return client
 
 
 def _wait_ready(name: str, proc: subprocess.Popen, error_file: Path, log_file: Path) -> dict:
