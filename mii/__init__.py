@@ -28,11 +28,12 @@ def serve(model_name_or_path=None, model_config=None, mii_config=None, **kwargs)
     return _serve(model_name_or_path, model_config, mii_config, **kwargs)
 
 
-def client(deployment_name_or_model):
-    """The `MIIClient` of a running deployment on this host; `DeploymentNotFoundError` when there is none."""
+def client(deployment_name_or_model, api_key=None):
+    """The `MIIClient` of a running deployment on this host; `DeploymentNotFoundError` when there is none.
+    `api_key`: the deployment's, when it has one (sent with every call)."""
     from mii.serving import client as _client
 
-    return _client(deployment_name_or_model)
+    return _client(deployment_name_or_model, api_key=api_key)
 
 
 def default_model() -> str:

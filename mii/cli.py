@@ -54,10 +54,13 @@ def cmd_serve(args) -> int:
     kwargs = dict(dtype=args.dtype, device=args.device, replica_num=args.replicas, port_number=args.grpc_port,
                   tensor_parallel=args.tensor_parallel,
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
+                  grpc_host=args.grpc_host, metrics_need_key=args.metrics_need_key,
                   max_waiting_requests=args.max_waiting, api_key=args.api_key, request_timeout=args.request_timeout,
                   drain_timeout=args.drain_timeout)
     if args.deployment_name:
         kwargs["deployment_name"] = args.deployment_name
+    if args.max_request_bytes is not None:
+        kwargs["max_request_bytes"] = args.max_request_bytes
     if args.max_context:
         kwargs["inference_engine_config"] = {"state_manager": {"max_context": args.max_context}}
     if args.num_threads:
@@ -105,13 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "/metrics and /tokenize on --port, MII's gRPC service on --grpc-port (for mii.client(NAME)), "
                        "and one engine process per replica. Ctrl-C or SIGTERM stops it with all its processes.")
     v.add_argument("model", nargs="?", default=None, metavar="MODEL")
-    v.add_argument("--host", default="localhost", help="address to bind (default: localhost; 0.0.0.0 for all)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP API binds (default: 127.0.0.1, this host only; 0.0.0.0 for every interface: "
+                        "then set --api-key)")
     v.add_argument("--port", type=int, default=8000, help="HTTP port: OpenAI API and REST gateway (default: 8000)")
     v.add_argument("--grpc-port", type=int, default=50050, help="gRPC port of MII's service (default: 50050)")
+    v.add_argument("--grpc-host", default="127.0.0.1",
+                   help="address the gRPC service binds (default: 127.0.0.1; it also carries Terminate)")
     v.add_argument("--replicas", type=int, default=1, help="engine processes; CPU threads are divided between them")
     v.add_argument("--deployment-name", default=None,
                    help="name for mii.client(NAME) and /mii/NAME (default: <model basename>-mii-deployment)")
-    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every HTTP route but /health")
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health and /metrics, and as "
+                        "gRPC metadata on every call but the health service (mii.client(NAME, api_key=KEY))")
+    v.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too")
+    v.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="largest request body (HTTP 413 beyond) or gRPC message accepted (default: 4 MiB)")
     v.add_argument("--max-waiting", type=int, default=None,
                    help="requests an engine may queue before refusing new ones with 429 (default: unbounded)")
     v.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",

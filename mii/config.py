@@ -160,7 +160,10 @@ class MIIConfig(_Config):
     enable_restful_api: bool = False
     """Also serve HTTP: MII's REST gateway (`POST /mii/{deployment_name}`) and the OpenAI-compatible API."""
     restful_api_host: str = "localhost"
-    """Address the HTTP and gRPC servers bind to (loopback unless told otherwise)."""
+    """Address the HTTP gateway binds to (loopback unless told otherwise; `0.0.0.0` for every interface)."""
+    grpc_host: str = "localhost"
+    """Address MII's gRPC service (`port_number`) binds to: loopback unless told otherwise, since it also carries
+    `Terminate`; with an `api_key`, every call but `grpc.health.v1` must carry it."""
     restful_api_port: int = Field(28080, ge=1, le=65535)
     """HTTP port (REST gateway and OpenAI API)."""
     hostfile: str = HOSTFILE_DEFAULT
@@ -177,7 +180,14 @@ class MIIConfig(_Config):
     """On shutdown (`terminate_server`, SIGTERM, SIGINT): seconds the requests in flight get to finish while new ones
     are refused (503 / UNAVAILABLE); those still running then end with an error. A second signal stops at once."""
     api_key: Optional[str] = Field(None, repr=False)
-    """When set, the HTTP API requires `Authorization: Bearer <api_key>` on every route but `/health`."""
+    """When set, every HTTP route but `/health` (and `/metrics`, unless `metrics_need_key`) requires
+    `Authorization: Bearer <api_key>`, and every gRPC call but the health service the same as metadata
+    (`mii.client` sends it); compared in constant time."""
+    metrics_need_key: bool = False
+    """Require the `api_key` on `/metrics` too (by default Prometheus may scrape it without one)."""
+    max_request_bytes: int = Field(4 << 20, ge=1024)
+    """Largest request body (HTTP) or message (gRPC) accepted, in bytes; larger ones are refused (HTTP 413,
+    gRPC RESOURCE_EXHAUSTED)."""
     model_config_: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),

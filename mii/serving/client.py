@@ -1,5 +1,6 @@
 """`MIIClient`: talks to a running deployment over gRPC (MII's service) — blocking, streaming and async calls —
-and `mii.client(name)`, which finds a deployment on this host by its record."""
+and `mii.client(name)`, which finds a deployment on this host by its record. A deployment with an API key needs
+it on every call (sent as `authorization: Bearer <key>` metadata); the record never holds the key."""
 from __future__ import annotations
 
 import inspect
@@ -15,6 +16,7 @@ from mii.config import MIIConfig
 from mii.errors import DeploymentNotFoundError, ValidationError
 from mii.response import Response
 from mii.serving import records
+from mii.serving.auth import call_metadata
 from mii.engine.outputs import ResponseJoiner
 from mii.engine.requests import normalize_prompts
 from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_multi_reply, make_request, pb2_grpc
@@ -23,8 +25,9 @@ from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_multi_rep
 class MIIClient:
     """A handle on a running deployment (returned by `mii.serve` and `mii.client`)."""
 
-    def __init__(self, record: dict, process=None):
+    def __init__(self, record: dict, process=None, api_key: Optional[str] = None):
         self.record = record
+        self._metadata = call_metadata(api_key)
         self.mii_config = MIIConfig.model_validate(record["mii_config"])
         self.deployment_name: str = record["name"]
         self.port_number: int = record["port"]
@@ -58,8 +61,8 @@ class MIIClient:
         stub = self._stub_sync()
         try:
             if streaming_fn is None:
-                return from_multi_reply(stub.GeneratorReply(request))
-            call = stub.GeneratorReplyStream(request)
+                return from_multi_reply(stub.GeneratorReply(request, metadata=self._metadata))
+            call = stub.GeneratorReplyStream(request, metadata=self._metadata)
             joined = ResponseJoiner()
             try:
                 for reply in call:
@@ -80,7 +83,7 @@ class MIIClient:
             request, _ = self._request(prompts, kwargs)
             async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
                 try:
-                    reply = await pb2_grpc.ModelResponseStub(channel).GeneratorReply(request)
+                    reply = await pb2_grpc.ModelResponseStub(channel).GeneratorReply(request, metadata=self._metadata)
                 except grpc.aio.AioRpcError as e:
                     raise error_from_rpc(e) from None
             return from_multi_reply(reply)
@@ -102,7 +105,7 @@ class MIIClient:
 
     async def _astream(self, request):
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
-            call = pb2_grpc.ModelResponseStub(channel).GeneratorReplyStream(request)
+            call = pb2_grpc.ModelResponseStub(channel).GeneratorReplyStream(request, metadata=self._metadata)
             try:
                 async for reply in call:
                     yield from_multi_reply(reply)
@@ -114,7 +117,7 @@ class MIIClient:
     def engine_stats(self) -> list:
         """Each replica's load: running/waiting sequences, KV blocks in use, token counters (`ReplicaStats`)."""
         try:
-            return list(self._stub_sync().EngineStats(empty_pb2.Empty(), timeout=10).replicas)
+            return list(self._stub_sync().EngineStats(empty_pb2.Empty(), timeout=10, metadata=self._metadata).replicas)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
@@ -129,7 +132,7 @@ class MIIClient:
         if record.get("pid") != self.record["pid"]:
             record = self.record
         try:
-            self._stub_sync().Terminate(empty_pb2.Empty(), timeout=10)
+            self._stub_sync().Terminate(empty_pb2.Empty(), timeout=10, metadata=self._metadata)
         except grpc.RpcError:
             pass  # already stopping or gone: make sure below
         pids = [record["pid"]] + [r["pid"] for r in record.get("replicas", ())]
@@ -163,8 +166,9 @@ def _is_mii_process(pid: int) -> bool:
         return False
 
 
-def client(deployment_name_or_model: str) -> MIIClient:
-    """The running deployment named so (or `<model basename>-mii-deployment`); `DeploymentNotFoundError` if none."""
+def client(deployment_name_or_model: str, api_key: Optional[str] = None) -> MIIClient:
+    """The running deployment named so (or `<model basename>-mii-deployment`); `DeploymentNotFoundError` if none.
+    `api_key`: the deployment's, if it has one."""
     name = str(deployment_name_or_model)
     for candidate in (name, records.default_deployment_name(name)):
         try:
@@ -172,7 +176,7 @@ def client(deployment_name_or_model: str) -> MIIClient:
         except ValidationError:
             continue
         if record is not None:
-            return MIIClient(record)
+            return MIIClient(record, api_key=api_key)
     running = ", ".join(records.list_names()) or "none"
     raise DeploymentNotFoundError(f"no running deployment named {name!r} on this host (running: {running}); "
                                   "start one with mii.serve(...) or `mii serve`")

@@ -36,10 +36,11 @@ from mii.config import DEVICE_MAP_DEFAULT, MIIConfig
 from mii.errors import MIIError, ValidationError
 from mii.parallel.placement import gpu_count, replica_devices
 from mii.serving import records
+from mii.serving.auth import GRPCKeyCheck, exposure_warnings
 from mii.serving.balancer import BalancerServicer, LoadBalancer, Replica
 from mii.serving.gateway import ServedModel, build_app
 from mii.serving.metrics import Metrics
-from mii.serving.protocol import CHANNEL_OPTIONS, pb2, pb2_grpc
+from mii.serving.protocol import pb2, pb2_grpc, server_options
 
 log = logging.getLogger("mii")
 _SERVICE = pb2.DESCRIPTOR.services_by_name["ModelResponse"].full_name
@@ -113,7 +114,7 @@ class Deployment:
     async def run(self) -> None:
         mc = self.cfg.model_config_
         self.record = dict(
-            name=self.name, pid=os.getpid(), state="starting", host=connect_host(self.cfg.restful_api_host),
+            name=self.name, pid=os.getpid(), state="starting", host=connect_host(self.cfg.grpc_host),
             port=self.cfg.port_number, http_port=self.cfg.restful_api_port if self.cfg.enable_restful_api else None,
             model=mc.model_name_or_path, log=str(records.log_path(self.name)), started=time.time(), replicas=[],
             mii_config=self.cfg.model_dump(mode="json", by_alias=True, exclude={"api_key"}))
@@ -139,21 +140,28 @@ class Deployment:
 
     async def _start(self) -> None:
         cfg = self.cfg
-        server = self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + CHANNEL_OPTIONS)
+        for warning in exposure_warnings(cfg.restful_api_host if cfg.enable_restful_api else None, cfg.grpc_host,
+                                         cfg.api_key):
+            log.warning("WARNING: %s", warning)
+        server = self._grpc = grpc.aio.server(options=server_options(cfg.max_request_bytes),
+                                              interceptors=[GRPCKeyCheck(cfg.api_key)] if cfg.api_key else None)
         pb2_grpc.add_ModelResponseServicer_to_server(BalancerServicer(self.lb, self.stop), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        grpc_host = bind_host(cfg.grpc_host)
         try:
-            server.add_insecure_port(f"{self.host}:{cfg.port_number}")
+            server.add_insecure_port(f"{grpc_host}:{cfg.port_number}")
         except RuntimeError:
-            raise ValidationError("port_number", f"cannot listen on {self.host}:{cfg.port_number} (gRPC): "
+            raise ValidationError("port_number", f"cannot listen on {grpc_host}:{cfg.port_number} (gRPC): "
                                   "the port is in use or the address is not local") from None
         await server.start()
-        self.served = ServedModel(name=cfg.model_config_.model_name_or_path or "SmolLM2-135M-Instruct",
-                                  deployment_name=self.name)
+        self.served = ServedModel(
+            name=cfg.model_config_.model_name_or_path or "SmolLM2-135M-Instruct", deployment_name=self.name,
+            max_sequences=cfg.model_config_.inference_engine_config.state_manager.max_tracked_sequences)
         if cfg.enable_restful_api:
             sock = http_listener(self.host, cfg.restful_api_port)
-            self._http = http_server(build_app(self.lb, self.served, cfg.api_key))
+            self._http = http_server(build_app(self.lb, self.served, cfg.api_key, cfg.metrics_need_key,
+                                               cfg.max_request_bytes))
             self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         await self._start_replicas()
         await self._load_model_info()

@@ -1,48 +1,41 @@
 """The HTTP gateway of a deployment (FastAPI, run by uvicorn inside the front process's event loop): MII's REST
 route `POST /mii/{deployment_name}`, the OpenAI-compatible API (`mii.serving.openai_api`), `GET /health`,
-`GET /metrics`, `POST /tokenize`. It calls the load balancer directly; every error has OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}` (`mii.serving.http`). Generation arguments are not checked
-here: the replica validates each request once, and its typed errors come back as HTTP errors.
+`GET /metrics`, `POST /tokenize`, `POST /detokenize`, and `/openapi.json` describing them all. It calls the load
+balancer directly; every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
+(`mii.serving.http`), bodies are strict JSON of at most `max_request_bytes`, and with an API key every route but
+/health (and /metrics unless `metrics_need_key`) needs it (`mii.serving.auth`). Generation arguments are not
+checked here: the replica validates each request once, and its typed errors come back as HTTP errors.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response as HTTPResponse
 
 from mii import errors
+from mii.config import MIIConfig
 from mii.engine.requests import encode_prompt, normalize_prompts
-from mii.serving import openai_api
+from mii.serving import openai_api, schemas
+from mii.serving.auth import HTTPKeyCheck, open_http_paths
 from mii.serving.balancer import LoadBalancer
-from mii.serving.http import (APIError, BearerAuth, ServedModel, api_error, check_model, read_json, render_chat,
-                              require_ready, until_disconnect)
+from mii.serving.http import (APIError, BodyLimit, ServedModel, api_error, check_model, check_sequence_count,
+                              check_token_ids, documented, install_error_handlers, install_openapi, parse_body,
+                              read_json, render_chat, require_ready, until_disconnect)
 from mii.serving.protocol import make_request
 
-
-def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = None) -> FastAPI:
+def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = None, metrics_need_key: bool = False,
+              max_request_bytes: int = MIIConfig.model_fields["max_request_bytes"].default) -> FastAPI:
     app = FastAPI(title="mii", summary="MII's REST gateway and an OpenAI-compatible API", docs_url="/docs",
                   redoc_url=None)
     app.state.lb, app.state.model = lb, model
+    install_error_handlers(app)
+    install_openapi(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:  # added last: it runs first, so a request without the key is refused before its body is read
+        app.add_middleware(HTTPKeyCheck, api_key=api_key, open_paths=open_http_paths(metrics_need_key))
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        name = ".".join(loc) or "body"
-        if err.get("type") == "json_invalid":
-            return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json").response()
-        return APIError(400, f"{name}: {err.get('msg')} (got {err.get('input')!r:.80})", param=name).response()
-
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
-
-    @app.get("/health")
+    @app.get("/health", **documented(schemas.Health, responses={503: {"model": schemas.Health}}))
     async def health():
         lb.check()
         if not model.ready:
@@ -54,36 +47,38 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         # degraded: still serving (200), with fewer replicas than configured while the dead ones restart
         return {"status": "degraded" if lb.degraded else "ok", "replicas": len(lb.live), "configured": lb.expected}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=HTTPResponse, **documented(responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}}))
     async def metrics():
         body = lb.metrics.render(await lb.stats())
         return HTTPResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **documented(schemas.TokenizeResponse, schemas.TokenizeRequest))
     async def tokenize(request: Request):
-        body = await read_json(request)
+        body = parse_body(schemas.TokenizeRequest, await read_json(request))
         require_ready(model)
-        check_model(model, body.get("model"))
-        if "messages" in body:
-            text = render_chat(model, body["messages"], body.get("add_generation_prompt", True))
+        check_model(model, body.model)
+        if body.messages is not None:
+            text = render_chat(model, [m.model_dump(exclude_none=True) for m in body.messages],
+                               body.add_generation_prompt)
             ids = encode_prompt(model.tokenizer, text, add_special_tokens=False)
-        elif isinstance(body.get("prompt"), str):
-            ids = encode_prompt(model.tokenizer, body["prompt"], bool(body.get("add_special_tokens", True)))
+        elif body.prompt is not None:
+            ids = encode_prompt(model.tokenizer, body.prompt, body.add_special_tokens)
         else:
             raise APIError(400, "prompt: a string is required (or messages)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_context}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **documented(schemas.DetokenizeResponse, schemas.DetokenizeRequest))
     async def detokenize(request: Request):
-        body = await read_json(request)
+        body = parse_body(schemas.DetokenizeRequest, await read_json(request))
         require_ready(model)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise APIError(400, "tokens: a list of token ids is required", param="tokens")
-        return {"prompt": model.tokenizer.decode(tokens)}
+        check_model(model, body.model)
+        check_token_ids(model, body.tokens, "tokens")
+        return {"prompt": model.tokenizer.decode(body.tokens)}
 
-    @app.post("/mii/{deployment_name}")
-    async def mii_generate(deployment_name: str, request: Request):
+    @app.post("/mii/{deployment_name}", **documented(list[schemas.MIIResponse], schemas.MIIRequest))
+    async def mii_generate(request: Request, deployment_name: str = Path(
+            json_schema_extra={"enum": [model.deployment_name]}, description="this deployment's name")):
         """MII's REST gateway: {"prompts": [...] | "text", ...generation kwargs} → list of responses."""
         if deployment_name != model.deployment_name:
             raise APIError(404, f"no deployment named {deployment_name!r} here (this is {model.deployment_name!r})",
@@ -94,6 +89,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         prompts = body.pop("prompts")
         try:
             plist, _ = normalize_prompts(prompts)
+            check_sequence_count(model, len(plist), body.get("n", 1))
             responses = await until_disconnect(request, lb.generate(make_request(plist, body)))
         except errors.MIIError as e:
             raise api_error(e) from None
@@ -101,5 +97,4 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
 
     openai_api.add_routes(app, lb, model)
     return app
-
 

@@ -1,18 +1,22 @@
 """What the HTTP routes share (MII's REST route in `gateway.py`, the OpenAI API in `openai_api.py`): the served
-model's description, errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` (and the status of
-each typed mii error), JSON bodies, cancellation when the client goes away, the API key check, and rendering chat
+model's description, errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` for every status
+(FastAPI's own 404/405/422 and unexpected exceptions included: a 500 says only that it is internal, the detail
+goes to the log), strict JSON bodies of bounded size, cancellation when the client goes away, and rendering chat
 messages through the model's template."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastapi import Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from mii import errors
 
@@ -29,6 +33,8 @@ class ServedModel:
     max_context: int = 0
     ready: bool = False
     aliases: set = field(default_factory=set)
+    max_sequences: int = 2048
+    """Sequences an engine tracks at once (`max_tracked_sequences`): a request for more can never be admitted."""
 
     def matches(self, model: Optional[str]) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -68,18 +74,115 @@ def api_error(e: Exception, renames: Optional[dict] = None) -> APIError:
         return APIError(503, str(e), type="service_unavailable", code="unavailable")
     if isinstance(e, errors.RequestTimeoutError):
         return APIError(504, str(e), type="timeout_error", code="request_timeout")
-    log.error("internal error: %s: %s", type(e).__name__, e)
-    return APIError(500, f"{type(e).__name__}: {e}", type="internal_error")
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> APIError:
+    """A 500 that says nothing of the exception; its detail and traceback go to the log."""
+    log.error("internal error: %s: %s", type(e).__name__, e, exc_info=e)
+    return APIError(500, "internal server error (the server's log has the details)", type="internal_error",
+                    code="internal_error")
+
+
+_STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error of `app` in OpenAI's shape: ours, FastAPI's validation (422 → 400 naming the field), Starlette's
+    own (404 no such route, 405 wrong method, 400 unreadable body) and any exception a route did not expect."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json").response()
+        name = field_name(err.get("loc", ()))
+        return APIError(400, f"{name}: {err.get('msg')}", param=name).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
+                   f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        error = APIError(e.status_code, message, type=_STATUS_TYPES.get(e.status_code, "invalid_request_error"))
+        response = error.response()
+        response.headers.update(e.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        return internal_error(e).response()
+
+
+def _no_constant(name: str):
+    raise APIError(400, f"malformed JSON body: {name} is not a JSON number (numbers must be finite)",
+                   code="invalid_json")
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, no lone UTF-16 surrogates (escaped `\\ud800`), bounded nesting."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid UTF-8 (byte {e.start})", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
+    if _ESCAPED_SURROGATE.search(text):  # a pair joins into one character; a lone half cannot be encoded
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "malformed JSON body: a string has a lone UTF-16 surrogate", code="invalid_json") \
+                from None
+    return body
 
 
 async def read_json(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    """The request's JSON object (whatever its Content-Type: `curl -d` sends form-encoded)."""
+    body = parse_json(await request.body() or b"null")
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     return body
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with 413: at once from Content-Length, else while it is read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes (max_request_bytes)",
+                        code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._error().response()(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._error()  # answered by the app's APIError handler
+            return message
+
+        await self.app(scope, limited, send)
 
 
 async def until_disconnect(request: Request, coro):
@@ -98,25 +201,6 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
-class BearerAuth:
-    """`Authorization: Bearer <api_key>` on every route but /health (plain ASGI, so that disconnects still reach
-    the endpoints)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                 type="authentication_error", code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def require_ready(model: ServedModel) -> None:
     if not model.ready:
         raise APIError(503, "the model is still loading", type="service_unavailable", code="loading")
@@ -128,7 +212,60 @@ def check_model(model: ServedModel, name: Optional[str]) -> None:
                        type="not_found_error", param="model", code="model_not_found")
 
 
+def check_sequence_count(model: ServedModel, num_prompts: int, n) -> None:
+    """A request for more sequences (prompts × n) than an engine tracks at once could never run: a 400. `n` is one
+    value or one per prompt; values that are not counts are left to the engine's validation."""
+    ns = n if isinstance(n, list) else [n] * num_prompts
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in ns):
+        return
+    total = sum(max(x, 1) for x in ns)
+    if total > model.max_sequences:
+        param = "prompt" if num_prompts > model.max_sequences else "n"
+        raise APIError(400, f"{param}: {num_prompts} prompt(s) with n={n!r:.40} are {total} sequences; this server "
+                       f"runs at most {model.max_sequences} at once (max_tracked_sequences)", param=param)
+
+
+def parse_body(cls: type[BaseModel], body: dict):
+    """A JSON object as `cls`, strictly (no "3" for 3, no 1 for true); a 400 naming the first bad field."""
+    try:
+        return cls.model_validate(body, strict=True)
+    except ValidationError as e:
+        # a union reports one error per member: the one past a type mismatch says what is wrong
+        errs = e.errors()
+        err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
+        name = field_name(err.get("loc", ()))
+        got = f" (got {err['input']!r:.80})" if err.get("type") != "missing" else ""
+        raise APIError(400, f"{name}: {err.get('msg')}{got}", param=name) from None
+
+
+def field_name(loc) -> str:
+    """A pydantic error location as the API names the field: `messages[0].content` (union members' tags, such as
+    `str` or `list[int]`, left out)."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            name += f".{part}" if name else part
+    return name or "body"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "body"}
+
+
+def check_token_ids(model: ServedModel, prompt, field: str) -> None:
+    """Token ids that the gateway itself decodes must be in the tokenizer's vocabulary."""
+    if isinstance(prompt, str):
+        return
+    vocab = len(model.tokenizer)
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field)
+
+
 def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True) -> str:
+    """Chat messages as text through the model's template; a 400 naming the message for anything else than text
+    content, and for a chat with nothing to say (no message, or every content empty or whitespace)."""
     tok = model.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -136,13 +273,83 @@ def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True
         raise APIError(400, "messages: a non-empty list of {role, content} objects is required", param="messages")
     flat = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}]: must be an object with a role", param=f"messages[{i}]")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):  # content parts: text only
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r:.40})",
+                                   param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content: must be a string or a list of text parts",
+                           param=f"messages[{i}].content")
         flat.append({**m, "content": content or ""})
+    if not any(m["content"].strip() for m in flat):
+        raise APIError(400, "messages: every message is empty (nothing to answer)", param="messages")
     try:
         return tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+
+
+# --- /openapi.json -----------------------------------------------------------------------------------------------
+
+_ERRORS = {400: "invalid request (the error names the field)", 401: "missing or wrong API key",
+           404: "no such model or deployment", 413: "request body too large", 429: "the queue is full (Retry-After)",
+           500: "internal error", 503: "loading, stopping or no replica (Retry-After)"}
+
+
+_SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event",
+              "properties": {"data": {"type": "string", "description": "a JSON chunk (the answer's shape, with deltas), "
+                                      "an error in OpenAI's shape, or [DONE] (the last event)"},
+                             "event": {"type": "string"}}}
+
+
+def documented(answer=None, body: Optional[type[BaseModel]] = None, stream: bool = False,
+               responses: Optional[dict] = None) -> dict:
+    """FastAPI route arguments that describe a route in /openapi.json: its JSON body (read by the route itself,
+    with `read_json`), its answer (`text/event-stream` too when it can stream), its errors in OpenAI's shape, and
+    `responses` over those."""
+    from mii.serving.schemas import ErrorResponse
+
+    out: dict = {"responses": {code: {"model": ErrorResponse, "description": why} for code, why in _ERRORS.items()}}
+    out["responses"]["default"] = {"model": ErrorResponse, "description": "any other error"}
+    if answer is not None:
+        out["responses"][200] = {"model": answer}
+        if stream:
+            out["responses"][200]["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
+    out["responses"].update(responses or {})
+    if body is not None:
+        schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+        out["openapi_extra"] = {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{body.__name__}", "x-mii-schema": schema}}}}}
+    return out
+
+
+def install_openapi(app: FastAPI) -> None:
+    """/openapi.json with the bodies of `documented` routes among its components, and without FastAPI's 422 (a
+    validation error is a 400 here)."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = base()
+        components = spec.setdefault("components", {}).setdefault("schemas", {})
+        for path in spec.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+                content = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+                schema = content.get("schema", {}).pop("x-mii-schema", None)
+                if schema is not None:
+                    components.update(schema.pop("$defs", {}))
+                    components[content["schema"]["$ref"].rsplit("/", 1)[1]] = schema
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi

@@ -63,7 +63,7 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
                      start_new_session=True)
     try:
         record = _wait_ready(name, proc, Path(error_file), log_file)
-        client = MIIClient(record, process=proc)
+        client = MIIClient(record, process=proc, api_key=cfg.api_key)
     except BaseException:  # nothing of a deployment that cannot be used is left running
         if proc.poll() is None:
             proc.terminate()

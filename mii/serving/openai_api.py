@@ -1,9 +1,13 @@
 """The OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming with
 `data: ...` / `data: [DONE]` and `stream_options.include_usage`), `GET /v1/models`.
 
-OpenAI's defaults apply here (temperature 1, top_p 1, max_tokens = the rest of the context), not MII's.
+OpenAI's defaults apply here (temperature 1, top_p 1, max_tokens = the rest of the context), not MII's, and
+OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], penalties in [-2, 2]); the engine's bounds (n, logprobs,
+stop strings, `mii.engine.params.BOUNDS`) are in the schema too, so /openapi.json says what is accepted.
 Fields that OpenAI clients send as extras (vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids`) are honoured; other unknown fields are ignored, as vLLM does.
+`min_tokens`, `stop_token_ids`) are honoured. OpenAI fields that change the answer but are not implemented
+(`NOT_SUPPORTED`: tools, response_format, logit_bias, ...) are refused with a 400 rather than ignored; other
+unknown fields are ignored, as vLLM does.
 
 A request is translated here (OpenAI's fields → generation keyword arguments; chat messages → text through the
 template) and validated once, by the replica; its typed errors come back renamed to this API's field names.
@@ -13,23 +17,38 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic import ValidationError as PydanticError
 
 from mii import errors
+from mii.engine.params import BOUNDS
 from mii.response import FinishReason, Response
+from mii.serving import schemas
 from mii.serving.balancer import LoadBalancer
-from mii.serving.http import (APIError, ServedModel, api_error, check_model, read_json, render_chat, require_ready,
+from mii.serving.http import (APIError, ServedModel, api_error, check_model, check_sequence_count, check_token_ids,
+                              documented, internal_error, parse_body, read_json, render_chat, require_ready,
                               until_disconnect)
-from mii.serving.protocol import from_multi_reply, make_request
+from mii.serving.protocol import INT64, from_multi_reply, make_request
 
 # engine parameter → the name this API gives it (for error messages)
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "logprobs": "logprobs",
             "max_length": "max_tokens"}
+
+
+NOT_SUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,),
+}
+"""OpenAI fields that would change the answer but are not implemented, with the values that mean "not used"
+(accepted); any other value is a 400. Implementing one means declaring it on the request and deleting it here."""
+
+
+_Stop = Annotated[str, Field(min_length=1, max_length=BOUNDS.max_stop_length)]
 
 
 class StreamOptions(BaseModel):
@@ -37,39 +56,45 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: int = 1
+    max_tokens: Optional[int] = Field(None, ge=1, le=INT64[1])
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=BOUNDS.max_n)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    stop: Optional[Union[_Stop, Annotated[list[_Stop], Field(max_length=BOUNDS.max_stop_strings)]]] = None
+    seed: Optional[int] = Field(None, ge=0, le=INT64[1])
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     user: Optional[str] = None
     # extras (vLLM's names)
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    top_k: Optional[int] = Field(None, ge=-1, le=INT64[1], description="0 or -1: no top-k")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=INT64[1])
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = Field(0, ge=0, le=INT64[1])
+    stop_token_ids: Optional[Annotated[list[schemas.TokenId], Field(max_length=BOUNDS.max_stop_token_ids)]] = None
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_SUPPORTED and value not in NOT_SUPPORTED[name]:
+                raise APIError(400, f"{name} is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
 
     def engine_kwargs(self, max_context: int) -> dict:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         kw: dict[str, Any] = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, do_sample=True, n=self.n, stop=self.stop,
             seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0, top_k=None if not self.top_k or self.top_k < 0 else self.top_k,
-            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0, ignore_eos=self.ignore_eos,
-            min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
+            frequency_penalty=self.frequency_penalty or 0.0,
+            top_k=None if not self.top_k or self.top_k < 0 else self.top_k, min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            ignore_eos=self.ignore_eos, min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
         max_tokens = self.max_new_tokens()
         if max_tokens is None:
             kw["max_length"] = max_context  # OpenAI: the rest of the context
@@ -82,18 +107,17 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: schemas.Prompts
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=BOUNDS.max_logprobs)
+    best_of: Optional[int] = Field(None, ge=1, le=INT64[1], description="must equal n")
 
 
 class ChatRequest(_Sampling):
-    messages: list[dict]
-    max_completion_tokens: Optional[int] = None
+    messages: list[schemas.ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT64[1])
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=BOUNDS.max_logprobs, description="needs logprobs=true")
     add_generation_prompt: bool = True
 
     def max_new_tokens(self) -> Optional[int]:
@@ -114,6 +138,7 @@ class OpenAICall:
 
     def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str], chat: bool = False):
         self.model, self.req, self.n = model, req, req.n
+        check_sequence_count(model, len(prompts), req.n)
         kwargs = req.engine_kwargs(model.max_context)
         if isinstance(req, ChatRequest):
             lp = (req.top_logprobs or 0) if req.logprobs else None
@@ -122,7 +147,10 @@ class OpenAICall:
         if lp is not None:
             kwargs["logprobs"] = lp
         self.want_logprobs = lp is not None
-        self.grpc_request = make_request(prompts, kwargs, chat=chat)
+        try:
+            self.grpc_request = make_request(prompts, kwargs, chat=chat)
+        except errors.MIIError as e:
+            raise api_error(e, _RENAMES) from None
         self.echo = echo
         self.num_prompts = len(prompts)
         self.id = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + uuid.uuid4().hex[:24]
@@ -163,14 +191,10 @@ def _chat_logprobs(job: OpenAICall, r: Response) -> dict:
 
 
 def _parse(cls, body: dict):
-    """Validate a JSON body (whatever its Content-Type); a 400 naming the first bad field."""
-    try:
-        return cls.model_validate(body)
-    except PydanticError as e:
-        err = e.errors()[0]
-        name = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        got = f" (got {err['input']!r:.80})" if err.get("type") != "missing" else ""
-        raise APIError(400, f"{name}: {err.get('msg')}{got}", param=name) from None
+    """A request (any Content-Type), refused with a 400 naming the first bad or unsupported field."""
+    req = parse_body(cls, body)
+    req.check_supported()
+    return req
 
 
 def _sse(data) -> str:
@@ -198,19 +222,17 @@ async def _first_chunk(lb: LoadBalancer, job: OpenAICall):
 
 
 def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
-    @app.get("/v1/models")
+    @app.get("/v1/models", **documented(schemas.ModelList))
     async def models():
         require_ready(model)
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "mii",
                                             "max_model_len": model.max_context}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **documented(schemas.Completion, CompletionRequest, stream=True))
     async def completions(request: Request):
         req = _parse(CompletionRequest, await read_json(request))
         require_ready(model)
         check_model(model, req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of must equal n (or be unset)", param="best_of")
         prompts = req.prompt
@@ -218,6 +240,9 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
             prompts = [prompts]
         if not prompts:
             raise APIError(400, "prompt: must not be empty", param="prompt")
+        if req.echo:  # echoed token ids are decoded here, before the engine sees them: check them first
+            for p in prompts:
+                check_token_ids(model, p, "prompt")
         echo = [(p if isinstance(p, str) else model.tokenizer.decode(p)) if req.echo else "" for p in prompts]
         job = OpenAICall(model, req, list(prompts), echo)
         if req.stream:
@@ -255,12 +280,14 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
                 "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **documented(schemas.ChatCompletion, ChatRequest, stream=True))
     async def chat(request: Request):
         req = _parse(ChatRequest, await read_json(request))
         require_ready(model)
         check_model(model, req.model)
-        text = render_chat(model, req.messages, req.add_generation_prompt)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: only allowed with logprobs=true", param="top_logprobs")
+        text = render_chat(model, [m.model_dump(exclude_none=True) for m in req.messages], req.add_generation_prompt)
         job = OpenAICall(model, req, [text], [""], chat=True)  # the replica tokenizes it, adding no special tokens
         if req.stream:
             return await _stream_chat(lb, job, req)
@@ -320,7 +347,9 @@ async def _sse_events(stream, first, head: list, choice_event, usage_event):
         if usage is not None:
             yield _sse(usage)
     except errors.MIIError as e:
-        yield _sse(api_error(e).body())
+        yield _sse(api_error(e, _RENAMES).body())
+    except Exception as e:  # the 200 is sent: the error goes in the stream
+        yield _sse(internal_error(e).body())
     finally:
         await stream.aclose()
     yield "data: [DONE]\n\n"

@@ -31,6 +31,13 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_re
 """For every channel and server of a deployment: many prompts or logprobs exceed gRPC's 4 MiB default."""
 
 
+def server_options(max_request_bytes: int) -> list:
+    """The options of a deployment's public gRPC server: requests up to `max_request_bytes`, answers up to the
+    channel limit."""
+    return [("grpc.so_reuseport", 0), ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", max_request_bytes)]
+
+
 def _generate() -> Path:
     from importlib.metadata import version
 
@@ -72,22 +79,29 @@ pb2_grpc = sys.modules.get("modelresponse_pb2_grpc") or _load("modelresponse_pb2
 # --- keyword arguments -----------------------------------------------------------------------------------------
 
 
-def to_value(v: Any):
+INT64 = (-(1 << 63), (1 << 63) - 1)
+"""The integers a `Value` carries (`ivalue` is an int64)."""
+
+
+def to_value(v: Any, field: str = "kwargs"):
+    """A keyword argument's value on the wire; a `ValidationError` naming `field` for one it cannot carry."""
     if v is None:
         return pb2.Value(nvalue=True)
     if isinstance(v, bool):
         return pb2.Value(bvalue=v)
     if isinstance(v, int):
+        if not INT64[0] <= v <= INT64[1]:
+            raise errors.ValidationError(field, f"{v} is out of range (a 64-bit signed integer)")
         return pb2.Value(ivalue=v)
     if isinstance(v, float):
         return pb2.Value(dvalue=v)
     if isinstance(v, str):
         return pb2.Value(svalue=v)
     if isinstance(v, (list, tuple)):
-        return pb2.Value(lvalue=pb2.ListValue(values=[to_value(x) for x in v]))
+        return pb2.Value(lvalue=pb2.ListValue(values=[to_value(x, field) for x in v]))
     if isinstance(v, dict):
-        return pb2.Value(mvalue=pb2.Dictionary(values={str(k): to_value(x) for k, x in v.items()}))
-    raise errors.ValidationError("kwargs", f"cannot send a value of type {type(v).__name__}: {v!r:.60}")
+        return pb2.Value(mvalue=pb2.Dictionary(values={str(k): to_value(x, field) for k, x in v.items()}))
+    raise errors.ValidationError(field, f"cannot send a value of type {type(v).__name__}: {v!r:.60}")
 
 
 def from_value(v) -> Any:
@@ -104,9 +118,12 @@ def from_value(v) -> Any:
 def make_request(prompts: list, kwargs: dict, chat: bool = False):
     """A `MultiStringRequest`: MII's `request` field when every prompt is text, else mii's `prompts`. `chat`: the
     text prompts were rendered by the chat template (their special tokens are in them)."""
-    kw = {k: to_value(v) for k, v in kwargs.items()}
+    kw = {k: to_value(v, k) for k, v in kwargs.items()}
     if all(isinstance(p, str) for p in prompts):
         return pb2.MultiStringRequest(request=prompts, query_kwargs=kw, chat=chat)
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) and not all(INT64[0] <= t <= INT64[1] for t in p):
+            raise errors.ValidationError(f"prompts[{i}]", "a token id is out of range (a 64-bit signed integer)")
     items = [pb2.Prompt(text=p) if isinstance(p, str) else pb2.Prompt(token_ids=pb2.TokenIds(ids=p)) for p in prompts]
     return pb2.MultiStringRequest(prompts=items, query_kwargs=kw, chat=chat)
 

@@ -1,4 +1,5 @@
 """MII's REST gateway, health, tokenize and Prometheus metrics with httpx; a client leaving mid-stream."""
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -122,3 +123,93 @@ def test_http_connections_send_without_delay():
 
     nodelay = asyncio.run(main())
     assert len(nodelay) == 1 and nodelay[0] != 0, nodelay
+
+
+def _error(r: httpx.Response, status: int, param=None) -> dict:
+    """The error of an answer in OpenAI's shape, checked: status, exactly the four keys, the field it names."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_bad_bodies_get_400_in_openai_shape(base_url, deployment):
+    url = f"{base_url}/v1/completions"
+    assert "no route" in _error(httpx.get(f"{base_url}/no/such/route", timeout=10), 404)["message"]
+    r = httpx.get(url, timeout=10)
+    assert "not allowed" in _error(r, 405)["message"] and r.headers["allow"] == "POST"
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        r = httpx.post(url, content=b'{"prompt": "x", "temperature": ' + literal + b"}", timeout=10)
+        assert "must be finite" in _error(r, 400)["message"]
+    assert "not valid UTF-8" in _error(httpx.post(url, content=b'{"prompt": "\xff"}', timeout=10), 400)["message"]
+    r = httpx.post(url, content=b'{"prompt": "a\\ud800"}', timeout=10)
+    assert "surrogate" in _error(r, 400)["message"]
+    assert _error(httpx.post(url, content=b"[" * 50_000, timeout=10), 400)["code"] == "invalid_json"
+    assert _error(httpx.post(url, json=["x"], timeout=10), 400)["message"] == "the body must be a JSON object"
+    _error(httpx.post(url, json={"prompt": 5}, timeout=10), 400, "prompt")
+    _error(httpx.post(url, json={"prompt": "x", "max_tokens": "3"}, timeout=10), 400, "max_tokens")
+    _error(httpx.post(url, json={"prompt": "x", "seed": 2 ** 64}, timeout=10), 400, "seed")
+    mii_url = f"{base_url}/mii/{deployment.deployment_name}"
+    _error(httpx.post(mii_url, json={"prompts": ["x"], "seed": 2 ** 64}, timeout=10), 400, "seed")
+    _error(httpx.post(mii_url, json={"prompts": 5}, timeout=10), 400, "prompts")
+    _error(httpx.post(mii_url, json={"prompts": ["x"] * 3000}, timeout=10), 400, "prompt")
+    _error(httpx.post(f"{base_url}/detokenize", json={"tokens": [-1]}, timeout=10), 400, "tokens[0]")
+    _error(httpx.post(f"{base_url}/detokenize", json={"tokens": [10 ** 9]}, timeout=10), 400, "tokens")
+    # a body over the limit (4 MiB by default): refused from its Content-Length, or while read when chunked
+    big = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'
+    assert _error(httpx.post(url, content=big, timeout=30), 413)["code"] == "request_too_large"
+    _error(httpx.post(url, content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]), timeout=30), 413)
+    r = httpx.post(url, json={"prompt": "still serving", "max_tokens": 2}, timeout=60)  # nothing above hurt it
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_internal_errors_say_only_that(caplog):
+    """A route that fails in a way nobody planned answers 500 in OpenAI's shape without the exception's text (the
+    log has it), before a stream starts and inside one: a real uvicorn server on a socket, a balancer that fails."""
+    import asyncio
+
+    from mii.serving.deployment import http_listener, http_server
+    from mii.serving.gateway import build_app
+    from mii.serving.http import ServedModel
+
+    class Failing:
+        async def generate(self, request):
+            raise RuntimeError("secret detail")
+
+        async def stream(self, request):
+            yield _first_chunk()
+            raise RuntimeError("secret detail")
+
+    def _first_chunk():
+        from mii.response import FinishReason, Response
+        from mii.serving.protocol import to_multi_reply
+
+        return to_multi_reply([Response("a", 1, 1, FinishReason.NONE, [5])])
+
+    tok = type("Tok", (), {"decode": lambda self, ids: "a", "__len__": lambda self: 10})()
+    app = build_app(Failing(), ServedModel("m", "d", tokenizer=tok, max_context=64, ready=True))
+
+    async def main():
+        sock = http_listener("127.0.0.1", 0)
+        server = http_server(app)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10) as c:
+                whole = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                mii = await c.post("/mii/d", json={"prompts": "x"})
+                streamed = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+                return whole, mii, streamed
+        finally:
+            server.should_exit = True
+            await task
+
+    with caplog.at_level("ERROR", logger="mii"):
+        whole, mii, streamed = asyncio.run(main())
+    for r in (whole, mii):
+        error = _error(r, 500)
+        assert error["type"] == "internal_error" and "secret" not in r.text
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "internal_error"
+    assert "secret" not in streamed.text and "secret detail" in caplog.text

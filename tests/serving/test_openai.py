@@ -148,3 +148,56 @@ def test_errors(oai, model_id, base_url):
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "n": "many"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def _bad_request(call, param: str, *words: str) -> dict:
+    """A call the server must refuse with a 400 naming `param` (and saying `words`)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    assert e.value.body["param"] == param, e.value.body
+    assert all(w in e.value.body["message"] for w in words), e.value.body
+    return e.value.body
+
+
+def test_openai_ranges_and_empty_chats(oai, model_id):
+    chat, complete = oai.chat.completions.create, oai.completions.create
+    hi = [{"role": "user", "content": "hi"}]
+    _bad_request(lambda: complete(model=model_id, prompt="x", temperature=2.5), "temperature", "less than or equal to 2")
+    _bad_request(lambda: complete(model=model_id, prompt="x", top_p=0), "top_p", "greater than 0")
+    _bad_request(lambda: complete(model=model_id, prompt="x", top_p=1.5), "top_p")
+    _bad_request(lambda: complete(model=model_id, prompt="x", presence_penalty=3), "presence_penalty")
+    _bad_request(lambda: complete(model=model_id, prompt="x", seed=2 ** 64), "seed")
+    _bad_request(lambda: complete(model=model_id, prompt="x", extra_body={"repetition_penalty": 0}),
+                 "repetition_penalty")
+    _bad_request(lambda: complete(model=model_id, prompt=[5, 10 ** 6], echo=True, max_tokens=1), "prompt",
+                 "outside the vocabulary")
+    _bad_request(lambda: chat(model=model_id, messages=hi, n=500), "n", "less than or equal to 128")
+    _bad_request(lambda: complete(model=model_id, prompt=["x"] * 100, n=100), "n", "10000 sequences")
+    _bad_request(lambda: chat(model=model_id, messages=[]), "messages")
+    _bad_request(lambda: chat(model=model_id, messages=[{"role": "user", "content": "  \n"},
+                                                        {"role": "assistant", "content": ""}]), "messages", "empty")
+    _bad_request(lambda: chat(model=model_id, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages[0].content", "only text")
+    _bad_request(lambda: chat(model=model_id, messages=hi, top_logprobs=2), "top_logprobs", "logprobs=true")
+    _bad_request(lambda: chat(model=model_id, messages=hi, stream_options={"include_usage": True}),
+                 "stream_options")
+    parts = chat(model=model_id, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                 max_tokens=3, temperature=0)
+    assert parts.choices[0].message.content == chat(model=model_id, messages=hi, max_tokens=3,
+                                                    temperature=0).choices[0].message.content
+
+
+def test_unsupported_fields_are_refused_not_ignored(oai, model_id):
+    chat, hi = oai.chat.completions.create, [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = _bad_request(lambda: chat(model=model_id, messages=hi, tools=[tool]), "tools", "not supported")
+    assert body["code"] == "unsupported_parameter"
+    _bad_request(lambda: chat(model=model_id, messages=hi, tool_choice="auto"), "tool_choice", "not supported")
+    _bad_request(lambda: chat(model=model_id, messages=hi, response_format={"type": "json_object"}),
+                 "response_format", "not supported")
+    _bad_request(lambda: chat(model=model_id, messages=hi, logit_bias={"5": 10}), "logit_bias")
+    _bad_request(lambda: oai.completions.create(model=model_id, prompt="x", suffix="y"), "suffix")
+    # the values that mean "not used" are fine
+    r = chat(model=model_id, messages=hi, max_tokens=2, response_format={"type": "text"}, tool_choice="none",
+             user="someone")
+    assert r.usage.completion_tokens == 2

@@ -1,0 +1,195 @@
+"""The HTTP API's bodies as pydantic models, for `/openapi.json`: what each route answers (and the bodies of the
+gateway's own routes). The routes build plain dicts; these models document them, and the schema test
+(tests/serving/test_schema.py) checks every answer against them. The OpenAI request bodies live with their
+translation in `openai_api.py`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+FinishReasonName = Literal["stop", "length", "none"]
+TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
+Prompts = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+                Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+"""One prompt (text or token ids) or a list of them; none empty."""
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(BaseModel):
+    """Every error, whatever its status: OpenAI's shape."""
+
+    error: ErrorBody
+
+
+# --- OpenAI chat messages ---------------------------------------------------------------------------------------
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+
+class ChatMessage(BaseModel):
+    """A chat message; its content is text: a string, or text parts (joined). Other kinds of parts (images,
+    audio) are not supported: the gateway refuses them naming the part."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Annotated[Optional[Union[str, list[dict]]], WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]})] = None
+
+
+# --- OpenAI answers ----------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[Literal["stop", "length"]]
+
+
+class Completion(BaseModel):
+    """`/v1/completions` without `stream`; with it, a `text/event-stream` of `data: <Completion chunk>` events
+    (choices with a text delta) and `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[Literal["stop", "length"]]
+
+
+class ChatCompletion(BaseModel):
+    """`/v1/chat/completions` without `stream`; with it, a `text/event-stream` of `data: <chat.completion.chunk>`
+    events (choices with a `delta`) and `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+# --- the gateway's own routes ------------------------------------------------------------------------------------
+
+
+class MIIRequest(BaseModel):
+    """MII's REST body: the prompts and any of MII's generation keyword arguments (`max_new_tokens`, `do_sample`,
+    `temperature`, `top_p`, `top_k`, `stop`, `seed`, `n`, `return_full_text`, ...), checked by the engine."""
+
+    model_config = ConfigDict(extra="allow")
+    prompts: Prompts
+
+
+class MIILogprob(BaseModel):
+    token_id: int
+    logprob: float
+    top_logprobs: dict[str, float]
+
+
+class MIIResponse(BaseModel):
+    generated_text: str
+    prompt_length: int
+    generated_length: int
+    finish_reason: FinishReasonName
+    token_ids: Optional[list[int]] = None
+    logprobs: Optional[list[MIILogprob]] = None
+
+
+class Health(BaseModel):
+    """200 while some replica serves; 503 (same shape) while loading, stopping or with no replica left."""
+
+    model_config = ConfigDict(extra="allow")
+    status: str
+    """ok, degraded (fewer replicas than configured, still serving), loading, stopping or unavailable"""
+    replicas: Optional[int] = None
+    configured: Optional[int] = None
+
+
+class TokenizeRequest(BaseModel):
+    """Text (`prompt`) or chat `messages` (rendered through the model's template) to token ids."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    tokens: list[TokenId] = Field(description="token ids of the model's vocabulary")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
