@@ -61,6 +61,10 @@ class DeploymentUnavailableError(MIIError, RuntimeError):
     """A deployment that exists but cannot serve: starting, stopping, or every replica is gone."""
 
 
+class AuthenticationError(MIIError, PermissionError):
+    """The deployment has an API key and the call did not carry it (`mii.client(name, api_key=...)`)."""
+
+
 class ServerOverloadedError(MIIError, RuntimeError):
     """The server's queue of waiting requests is full; retry later (HTTP 429)."""
 

@@ -207,6 +207,8 @@ def error_from_rpc(e: grpc.RpcError) -> Exception:
     for k, v in (e.trailing_metadata() or ()):
         if k == ERROR_KEY:
             return error_from_info(json.loads(v))
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.AuthenticationError(f"{details}; give the deployment's key: mii.client(name, api_key=...)")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
         return errors.DeploymentUnavailableError(f"the deployment did not answer ({code.name}: {details})")
     return errors.MIIError(f"{code.name}: {details}")

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import mii
 from mii.cli import build_parser
-from mii.errors import MIIError
+from mii.errors import AuthenticationError
 from mii.serving.auth import exposure_warnings
 from mii.serving.protocol import make_request, pb2_grpc
 from tests.serving.conftest import KV, free_port, stop, unique_name
@@ -84,7 +84,7 @@ def test_mii_client_sends_the_key(keyed):
     assert found.generate("hello", streaming_fn=chunks.append, max_new_tokens=3)[0].generated_length == 3
     assert chunks and asyncio.run(found.agenerate("hello", max_new_tokens=2))[0].generated_length == 2
     assert found.engine_stats()[0].alive
-    with pytest.raises(MIIError, match="UNAUTHENTICATED"):
+    with pytest.raises(AuthenticationError, match="invalid or missing API key"):
         mii.client(keyed.deployment_name).generate("hello", max_new_tokens=2)
 
 
