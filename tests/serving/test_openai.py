@@ -181,6 +181,12 @@ def test_openai_ranges_and_empty_chats(oai, model_id):
     _bad_request(lambda: chat(model=model_id, messages=hi, top_logprobs=2), "top_logprobs", "logprobs=true")
     _bad_request(lambda: chat(model=model_id, messages=hi, stream_options={"include_usage": True}),
                  "stream_options")
+    # the engine's own checks (on the replica) come back as 400s naming OpenAI's field
+    _bad_request(lambda: complete(model=model_id, prompt="x", extra_body={"stop_token_ids": [10 ** 6]}),
+                 "stop_token_ids", "outside the vocabulary")
+    _bad_request(lambda: complete(model=model_id, prompt="x", n=2, seed=2 ** 63 - 1), "seed")
+    _bad_request(lambda: complete(model=model_id, prompt="x", max_tokens=2, extra_body={"min_tokens": 5}),
+                 "min_tokens")
     parts = chat(model=model_id, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                  max_tokens=3, temperature=0)
     assert parts.choices[0].message.content == chat(model=model_id, messages=hi, max_tokens=3,
