@@ -45,6 +45,21 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _api_key(args):
+    """The key of --api-key, or the first line of --api-key-file (which keeps it out of the process list)."""
+    if args.api_key_file is None:
+        return args.api_key
+    from pathlib import Path
+
+    try:
+        key = Path(args.api_key_file).read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"mii serve: --api-key-file: {e.strerror}: {args.api_key_file}")
+    if not key:
+        raise SystemExit(f"mii serve: --api-key-file: {args.api_key_file} is empty")
+    return key
+
+
 def cmd_serve(args) -> int:
     import logging
 
@@ -55,7 +70,7 @@ def cmd_serve(args) -> int:
                   tensor_parallel=args.tensor_parallel,
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
                   grpc_host=args.grpc_host, metrics_need_key=args.metrics_need_key,
-                  max_waiting_requests=args.max_waiting, api_key=args.api_key, request_timeout=args.request_timeout,
+                  max_waiting_requests=args.max_waiting, api_key=_api_key(args), request_timeout=args.request_timeout,
                   drain_timeout=args.drain_timeout)
     if args.deployment_name:
         kwargs["deployment_name"] = args.deployment_name
@@ -118,9 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--replicas", type=int, default=1, help="engine processes; CPU threads are divided between them")
     v.add_argument("--deployment-name", default=None,
                    help="name for mii.client(NAME) and /mii/NAME (default: <model basename>-mii-deployment)")
-    v.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health and /metrics, and as "
-                        "gRPC metadata on every call but the health service (mii.client(NAME, api_key=KEY))")
+    key = v.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every HTTP route but /health and /metrics, and as "
+                          "gRPC metadata on every call but the health service (mii.client(NAME, api_key=KEY))")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="read the API key from this file (other users of the host can see --api-key in the "
+                          "process list)")
     v.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too")
     v.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
                    help="largest request body (HTTP 413 beyond) or gRPC message accepted (default: 4 MiB)")

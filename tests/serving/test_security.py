@@ -115,10 +115,16 @@ def test_serve_binds_loopback_and_warns_when_exposed(tmp_path):
     assert len(exposure_warnings("0.0.0.0", "0.0.0.0", None)) == 2
     assert len(exposure_warnings(None, "10.1.2.3", None)) == 1
     # the warnings come from the deployment itself, before any model loads (this one cannot load)
-    mii_cmd = str(Path(sys.executable).parent / "mii")
-    out = subprocess.run([mii_cmd, "serve", str(tmp_path / "no-model"), "--host", "0.0.0.0", "--grpc-host", "0.0.0.0",
-                          "--port", str(free_port()), "--grpc-port", str(free_port()), "--deployment-name",
-                          unique_name("test-exposed")], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert "HTTP API listens on 0.0.0.0 without an API key" in out.stderr
-    assert "gRPC service listens on 0.0.0.0 without an API key" in out.stderr
+    def serve(*extra: str) -> str:
+        out = subprocess.run([str(Path(sys.executable).parent / "mii"), "serve", str(tmp_path / "no-model"),
+                              "--host", "0.0.0.0", "--grpc-host", "0.0.0.0", "--port", str(free_port()),
+                              "--grpc-port", str(free_port()), "--deployment-name", unique_name("test-exposed"),
+                              *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "model path not found" in out.stderr, out.stderr
+        return out.stderr
+
+    err = serve()
+    assert "HTTP API listens on 0.0.0.0 without an API key" in err
+    assert "gRPC service listens on 0.0.0.0 without an API key" in err
+    (tmp_path / "key").write_text(KEY + "\n")  # a key from a file, out of the process list: no warning
+    assert "without an API key" not in serve("--api-key-file", str(tmp_path / "key"))
