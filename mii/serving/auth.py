@@ -1,9 +1,9 @@
-"""Who may use a deployment: the API key, checked the same way on HTTP (`Authorization: Bearer <key>`, an ASGI
-middleware) and on gRPC (the same header as call metadata, a server interceptor), compared in constant time; and
-the warnings for a deployment that listens beyond this host without one.
+"""Who may use a deployment: the API key, checked the same way on HTTP (`Authorization: Bearer <key>`, the
+gateway's `mii.serving.http.HTTPKeyCheck`) and on gRPC (the same header as call metadata, `GRPCKeyCheck`, on the
+front process and on every replica, whose loopback ports anyone on this host can reach), compared in constant
+time; and the warnings for a deployment that listens beyond this host without one.
 
-Open without the key: HTTP `/health` (and `/metrics` unless `metrics_need_key`), gRPC's `grpc.health.v1`. The
-engine processes listen on loopback only and are reached through the front process.
+Open without the key: HTTP `/health` (and `/metrics` unless `metrics_need_key`), gRPC's `grpc.health.v1`.
 """
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from typing import Optional
 
 import grpc
 
-from mii.serving.http import APIError
-
 AUTH_HEADER = "authorization"
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 
@@ -23,27 +21,6 @@ def key_matches(header: Optional[bytes], key: bytes) -> bool:
     """Whether an `Authorization` value is `Bearer <key>` (the comparison takes the same time whatever matches)."""
     scheme, _, token = (header or b"").partition(b" ")
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
-
-
-class HTTPKeyCheck:
-    """The API key on every HTTP route but the open ones (plain ASGI, so that disconnects still reach the
-    endpoints)."""
-
-    def __init__(self, app, api_key: str, open_paths: frozenset):
-        self.app, self.key, self.open_paths = app, api_key.encode(), open_paths
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            if not key_matches(dict(scope["headers"]).get(AUTH_HEADER.encode()), self.key):
-                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                 type="authentication_error", code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def open_http_paths(metrics_need_key: bool) -> frozenset:
-    return frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
 
 
 class GRPCKeyCheck(grpc.aio.ServerInterceptor):

@@ -25,6 +25,7 @@ from google.protobuf import empty_pb2
 
 from mii.errors import (DeploymentUnavailableError, KVCacheError, MIIError, RequestTimeoutError, ServerOverloadedError,
                         UnknownArgument, ValidationError)
+from mii.serving.auth import call_metadata
 from mii.serving.metrics import Metrics
 from mii.engine.outputs import ResponseJoiner
 from mii.response import Response
@@ -50,8 +51,10 @@ class Replica:
 
 class LoadBalancer:
     def __init__(self, metrics: Optional[Metrics] = None, request_timeout: Optional[float] = None,
-                 expected: int = 0):
+                 expected: int = 0, api_key: Optional[str] = None):
         self.metrics = metrics or Metrics()
+        self._metadata = call_metadata(api_key)
+        """The deployment's key, sent to the replicas: they check it too (their ports are reachable from this host)."""
         self.replicas: list[Replica] = []
         self.request_timeout = request_timeout
         self.expected = expected
@@ -136,7 +139,7 @@ class LoadBalancer:
             tracker = self.metrics.track(replica.index)
             replica.outstanding += weight
             remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-            call = replica.stub.GeneratorReplyStream(request, timeout=remaining)
+            call = replica.stub.GeneratorReplyStream(request, timeout=remaining, metadata=self._metadata)
             answered = finished = False
             try:
                 async for reply in call:
@@ -179,7 +182,7 @@ class LoadBalancer:
 
     async def _answers(self, replica: Replica) -> bool:
         try:
-            await replica.stub.EngineStats(empty_pb2.Empty(), timeout=2)
+            await replica.stub.EngineStats(empty_pb2.Empty(), timeout=2, metadata=self._metadata)
             return True
         except grpc.aio.AioRpcError:
             return False
@@ -191,7 +194,7 @@ class LoadBalancer:
         async def one(r: Replica):
             if r.alive:
                 try:
-                    reply = await r.stub.EngineStats(empty_pb2.Empty(), timeout=5)
+                    reply = await r.stub.EngineStats(empty_pb2.Empty(), timeout=5, metadata=self._metadata)
                     s = reply.replicas[0]
                     s.outstanding = r.outstanding
                     return s

@@ -92,7 +92,7 @@ class Deployment:
         self.force = asyncio.Event()
         """Set by a second signal (or Terminate) while stopping: no more draining, kill what is left."""
         self.metrics = Metrics()
-        self.lb = LoadBalancer(self.metrics, cfg.request_timeout, cfg.model_config_.replica_num)
+        self.lb = LoadBalancer(self.metrics, cfg.request_timeout, cfg.model_config_.replica_num, api_key=cfg.api_key)
         self.health = health.aio.HealthServicer()
         self.processes: dict[int, subprocess.Popen] = {}
         """Each replica's current engine process (rank 0 of its tensor-parallel group, the group's leader)."""
@@ -365,7 +365,7 @@ def replica_launch(cfg: MIIConfig, index: int, threads: int, gpus: Optional[list
         update["device_map"] = DEVICE_MAP_DEFAULT
     own = mc.model_copy(update=update)
     spec = dict(index=index, model_config=own.model_dump(mode="json"),
-                max_waiting_requests=cfg.max_waiting_requests, model_name=model_name,
+                max_waiting_requests=cfg.max_waiting_requests, model_name=model_name, api_key=cfg.api_key,
                 log_level=log.getEffectiveLevel(),
                 ready_file=str(tmp / f"replica{index}.ready"), error_file=str(tmp / f"replica{index}.error"))
     return spec, env

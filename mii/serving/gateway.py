@@ -17,11 +17,11 @@ from mii import errors
 from mii.config import MIIConfig
 from mii.engine.requests import encode_prompt, normalize_prompts
 from mii.serving import openai_api, schemas
-from mii.serving.auth import HTTPKeyCheck, open_http_paths
 from mii.serving.balancer import LoadBalancer
-from mii.serving.http import (APIError, BodyLimit, ServedModel, api_error, check_model, check_sequence_count,
-                              check_token_ids, documented, install_error_handlers, install_openapi, parse_body,
-                              read_json, render_chat, require_ready, until_disconnect)
+from mii.serving.http import (APIError, BodyLimit, HTTPKeyCheck, ServedModel, api_error, check_model,
+                              check_sequence_count, check_token_ids, documented, install_error_handlers,
+                              install_openapi, open_http_paths, parse_body, read_json, render_chat, require_ready,
+                              until_disconnect)
 from mii.serving.protocol import make_request
 
 def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = None, metrics_need_key: bool = False,

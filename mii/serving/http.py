@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from mii import errors
+from mii.serving.auth import key_matches
 
 log = logging.getLogger("mii")
 
@@ -201,6 +202,27 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
+class HTTPKeyCheck:
+    """The API key on every HTTP route but the open ones (plain ASGI, so that disconnects still reach the
+    endpoints)."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset):
+        self.app, self.key, self.open_paths = app, api_key.encode(), open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            if not key_matches(dict(scope["headers"]).get(b"authorization"), self.key):
+                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                 type="authentication_error", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def open_http_paths(metrics_need_key: bool) -> frozenset:
+    return frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
+
+
 def require_ready(model: ServedModel) -> None:
     if not model.ready:
         raise APIError(503, "the model is still loading", type="service_unavailable", code="loading")
@@ -302,10 +324,10 @@ _ERRORS = {400: "invalid request (the error names the field)", 401: "missing or 
            500: "internal error", 503: "loading, stopping or no replica (Retry-After)"}
 
 
-_SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event",
-              "properties": {"data": {"type": "string", "description": "a JSON chunk (the answer's shape, with deltas), "
-                                      "an error in OpenAI's shape, or [DONE] (the last event)"},
-                             "event": {"type": "string"}}}
+_SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event", "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (the answer's shape, with deltas), an error in OpenAI's "
+                                              "shape, or [DONE] (the last event)"},
+    "event": {"type": "string"}}}
 
 
 def documented(answer=None, body: Optional[type[BaseModel]] = None, stream: bool = False,

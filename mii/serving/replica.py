@@ -35,6 +35,7 @@ from mii.engine.engine import RequestOutput
 from mii.engine.outputs import OutputProcessor
 from mii.engine.requests import EngineRequest, InputProcessor
 from mii.errors import ServerOverloadedError
+from mii.serving.auth import GRPCKeyCheck
 from mii.serving.protocol import CHANNEL_OPTIONS, error_status, pb2, pb2_grpc, read_request, to_multi_reply
 
 log = logging.getLogger("mii")
@@ -248,7 +249,9 @@ async def serve_replica(spec: dict) -> None:
     model_config = ModelConfig.model_validate(spec["model_config"])
     index = spec["index"]
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + CHANNEL_OPTIONS)
+    key = spec.get("api_key")  # the deployment's: this port is reachable by anyone on this host
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + CHANNEL_OPTIONS,
+                             interceptors=[GRPCKeyCheck(key)] if key else None)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -1,5 +1,5 @@
 """Security defaults on real processes: the API key on every HTTP route but /health and /metrics and on every
-gRPC method but the health service (Terminate included), `mii.client` sending it, the gRPC port on loopback,
+gRPC method but the health service (Terminate included; the replicas' ports too), `mii.client` sending it, the gRPC port on loopback,
 the request size limit on both protocols, and `mii serve` binding 127.0.0.1 and warning when it is exposed."""
 import asyncio
 import subprocess
@@ -70,6 +70,16 @@ def test_grpc_needs_the_key_on_every_method_but_health(keyed):
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # and Terminate did not stop it
         reply = stub.GeneratorReply(request, timeout=30, metadata=(("authorization", f"Bearer {KEY}"),))
         assert reply.response[0].generated_tokens == 2
+        # the replicas' own ports (loopback, reachable by anyone on this host) want the key too
+        with grpc.insecure_channel(keyed.record["replicas"][0]["address"]) as replica:
+            replica_stub = pb2_grpc.ModelResponseStub(replica)
+            for call in (lambda md: replica_stub.GeneratorReply(request, timeout=30, metadata=md),
+                         lambda md: replica_stub.Terminate(empty_pb2.Empty(), timeout=30, metadata=md)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(())
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert replica_stub.EngineStats(empty_pb2.Empty(), timeout=30,
+                                            metadata=(("authorization", f"Bearer {KEY}"),)).replicas[0].alive
         # a message over the limit is refused by gRPC itself
         with pytest.raises(grpc.RpcError) as e:
             stub.GeneratorReply(make_request(["x" * LIMIT], {}), timeout=30,
