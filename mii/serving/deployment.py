@@ -155,9 +155,8 @@ class Deployment:
             raise ValidationError("port_number", f"cannot listen on {grpc_host}:{cfg.port_number} (gRPC): "
                                   "the port is in use or the address is not local") from None
         await server.start()
-        self.served = ServedModel(
-            name=cfg.model_config_.model_name_or_path or "SmolLM2-135M-Instruct", deployment_name=self.name,
-            max_sequences=cfg.model_config_.inference_engine_config.state_manager.max_tracked_sequences)
+        self.served = ServedModel(name=cfg.model_config_.model_name_or_path or "SmolLM2-135M-Instruct",
+                                  deployment_name=self.name)
         if cfg.enable_restful_api:
             sock = http_listener(self.host, cfg.restful_api_port)
             self._http = http_server(build_app(self.lb, self.served, cfg.api_key, cfg.metrics_need_key,

@@ -19,7 +19,7 @@ from mii.engine.requests import encode_prompt, normalize_prompts
 from mii.serving import openai_api, schemas
 from mii.serving.balancer import LoadBalancer
 from mii.serving.http import (APIError, BodyLimit, HTTPKeyCheck, ServedModel, api_error, check_model,
-                              check_sequence_count, check_token_ids, documented, install_error_handlers,
+                              check_token_ids, documented, install_error_handlers,
                               install_openapi, open_http_paths, parse_body, read_json, render_chat, require_ready,
                               until_disconnect)
 from mii.serving.protocol import make_request
@@ -89,7 +89,6 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         prompts = body.pop("prompts")
         try:
             plist, _ = normalize_prompts(prompts)
-            check_sequence_count(model, len(plist), body.get("n", 1))
             responses = await until_disconnect(request, lb.generate(make_request(plist, body)))
         except errors.MIIError as e:
             raise api_error(e) from None

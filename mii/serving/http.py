@@ -34,8 +34,6 @@ class ServedModel:
     max_context: int = 0
     ready: bool = False
     aliases: set = field(default_factory=set)
-    max_sequences: int = 2048
-    """Sequences an engine tracks at once (`max_tracked_sequences`): a request for more can never be admitted."""
 
     def matches(self, model: Optional[str]) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -232,19 +230,6 @@ def check_model(model: ServedModel, name: Optional[str]) -> None:
     if not model.matches(name):
         raise APIError(404, f"The model `{name}` does not exist (this server serves `{model.name}`)",
                        type="not_found_error", param="model", code="model_not_found")
-
-
-def check_sequence_count(model: ServedModel, num_prompts: int, n) -> None:
-    """A request for more sequences (prompts × n) than an engine tracks at once could never run: a 400. `n` is one
-    value or one per prompt; values that are not counts are left to the engine's validation."""
-    ns = n if isinstance(n, list) else [n] * num_prompts
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in ns):
-        return
-    total = sum(max(x, 1) for x in ns)
-    if total > model.max_sequences:
-        param = "prompt" if num_prompts > model.max_sequences else "n"
-        raise APIError(400, f"{param}: {num_prompts} prompt(s) with n={n!r:.40} are {total} sequences; this server "
-                       f"runs at most {model.max_sequences} at once (max_tracked_sequences)", param=param)
 
 
 def parse_body(cls: type[BaseModel], body: dict):

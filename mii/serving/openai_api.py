@@ -28,14 +28,14 @@ from mii.engine.params import BOUNDS
 from mii.response import FinishReason, Response
 from mii.serving import schemas
 from mii.serving.balancer import LoadBalancer
-from mii.serving.http import (APIError, ServedModel, api_error, check_model, check_sequence_count, check_token_ids,
+from mii.serving.http import (APIError, ServedModel, api_error, check_model, check_token_ids,
                               documented, internal_error, parse_body, read_json, render_chat, require_ready,
                               until_disconnect)
 from mii.serving.protocol import INT64, from_multi_reply, make_request
 
 # engine parameter → the name this API gives it (for error messages)
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "logprobs": "logprobs",
-            "max_length": "max_tokens"}
+            "max_length": "max_tokens", "prompts": "prompt"}
 
 
 NOT_SUPPORTED = {
@@ -138,7 +138,6 @@ class OpenAICall:
 
     def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str], chat: bool = False):
         self.model, self.req, self.n = model, req, req.n
-        check_sequence_count(model, len(prompts), req.n)
         kwargs = req.engine_kwargs(model.max_context)
         if isinstance(req, ChatRequest):
             lp = (req.top_logprobs or 0) if req.logprobs else None

@@ -154,7 +154,7 @@ def test_bad_bodies_get_400_in_openai_shape(base_url, deployment):
     mii_url = f"{base_url}/mii/{deployment.deployment_name}"
     _error(httpx.post(mii_url, json={"prompts": ["x"], "seed": 2 ** 64}, timeout=10), 400, "seed")
     _error(httpx.post(mii_url, json={"prompts": 5}, timeout=10), 400, "prompts")
-    _error(httpx.post(mii_url, json={"prompts": ["x"] * 3000}, timeout=10), 400, "prompt")
+    _error(httpx.post(mii_url, json={"prompts": ["x"] * 3000}, timeout=10), 400, "prompts")
     _error(httpx.post(f"{base_url}/detokenize", json={"tokens": [-1]}, timeout=10), 400, "tokens[0]")
     _error(httpx.post(f"{base_url}/detokenize", json={"tokens": [10 ** 9]}, timeout=10), 400, "tokens")
     # a body over the limit (4 MiB by default): refused from its Content-Length, or while read when chunked

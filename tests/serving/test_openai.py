@@ -172,7 +172,7 @@ def test_openai_ranges_and_empty_chats(oai, model_id):
     _bad_request(lambda: complete(model=model_id, prompt=[5, 10 ** 6], echo=True, max_tokens=1), "prompt",
                  "outside the vocabulary")
     _bad_request(lambda: chat(model=model_id, messages=hi, n=500), "n", "less than or equal to 128")
-    _bad_request(lambda: complete(model=model_id, prompt=["x"] * 100, n=100), "n", "10000 sequences")
+    _bad_request(lambda: complete(model=model_id, prompt=["x"] * 100, n=100), "prompt", "10000 sequences")
     _bad_request(lambda: chat(model=model_id, messages=[]), "messages")
     _bad_request(lambda: chat(model=model_id, messages=[{"role": "user", "content": "  \n"},
                                                         {"role": "assistant", "content": ""}]), "messages", "empty")
