@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.serving.conftest import wait_until
+from tests.serving.conftest import metric, wait_until
 
 
 def test_rest_gateway(base_url, deployment):
@@ -31,15 +31,6 @@ def test_health_and_tokenize(base_url):
     assert r.json()["count"] > 3
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def test_both_replicas_serve_and_metrics(base_url, deployment):
     def one(i):
         return httpx.post(f"{base_url}/v1/completions", timeout=120,
@@ -49,15 +40,15 @@ def test_both_replicas_serve_and_metrics(base_url, deployment):
         assert list(pool.map(one, range(6))) == [200] * 6
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     for replica in ("0", "1"):
-        assert _metric(text, "mii_requests_total", replica=replica) > 0, text
-        assert _metric(text, "mii_generation_tokens_total", replica=replica) > 0
-        assert _metric(text, "mii_replica_up", replica=replica) == 1
+        assert metric(text, "mii_requests_total", replica=replica) > 0, text
+        assert metric(text, "mii_generation_tokens_total", replica=replica) > 0
+        assert metric(text, "mii_replica_up", replica=replica) == 1
         for gauge in ("mii_num_requests_running", "mii_num_requests_waiting", "mii_kv_cache_usage_perc"):
             assert re.search(rf'^{gauge}{{replica="{replica}"}} ', text, re.M), gauge
-    assert _metric(text, "mii_prompt_tokens_total") > 0
+    assert metric(text, "mii_prompt_tokens_total") > 0
     for hist in ("mii_time_to_first_token_seconds", "mii_inter_token_latency_seconds",
                  "mii_e2e_request_latency_seconds"):
-        assert _metric(text, f"{hist}_count") > 0, hist
+        assert metric(text, f"{hist}_count") > 0, hist
 
 
 def test_client_leaving_mid_stream_aborts_its_sequence(base_url, deployment):
