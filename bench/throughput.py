@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--compare-torch", action="store_true",
                     help="also run the torch reference backends (MII_KERNELS=0) in the same run")
+    ap.add_argument("--compare-dtype", default=None,
+                    help="also run mii with this dtype in the same run (float32: fp32 weights where the plan keeps bf16)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (the engine plan's choice), bfloat16 or float32")
     ap.add_argument("--threads", type=int, default=None,
@@ -145,6 +147,10 @@ def main():
         del os.environ["MII_KERNELS"]
         results["torch"] = measure(torch_pipe, prompts, outputs, "mii (torch)")
         torch_pipe.destroy()
+    if args.compare_dtype:
+        other = mii.pipeline(dtype=args.compare_dtype, num_threads=threads)
+        results["dtype"] = measure(other, prompts, outputs, f"mii {args.compare_dtype}")
+        other.destroy()
     hf = None
     if not args.skip_hf:
         hf = run_hf(mii.default_model(), prompts, outputs, dtype)
@@ -161,6 +167,10 @@ def main():
     if "torch" in results:
         t = results["torch"]
         print(f"  kernels vs torch backends W64 {t['w64'] / r['w64']:.2f}x, decode {r['decode'] / t['decode']:.2f}x, "
+              f"pp512 {r['pp512'] / t['pp512']:.2f}x")
+    if "dtype" in results:
+        t = results["dtype"]
+        print(f"  plan vs dtype={args.compare_dtype}     W64 {t['w64'] / r['w64']:.2f}x, decode {r['decode'] / t['decode']:.2f}x, "
               f"pp512 {r['pp512'] / t['pp512']:.2f}x")
     print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
           f"floor ({bw_floor:.0f} tok/s)")
