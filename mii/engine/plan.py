@@ -42,9 +42,6 @@ class EnginePlan:
     blocks + SDPA, the reference)."""
     linear_backend: str = "torch"
     """"torch", "kernel" (mii::linear_bf16w: bf16 weights, fp32 math) or oneDNN's prepacked bf16 (a label)."""
-    weight_dtype: str = ""
-    """The dtype the linear, LM head and embedding weights are kept in: the model's dtype, or bf16 with fp32 math
-    (mii::linear_bf16w) on CPUs without native bf16 matmul."""
     cuda_graphs: str = ""
     """On a GPU: the captured decode batch sizes, capture time and memory, or why there are none."""
     reasons: dict = field(default_factory=dict)
@@ -53,8 +50,14 @@ class EnginePlan:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype the linear, LM head and embedding weights are kept in: the model's dtype, or bf16 with fp32
+        math (mii::linear_bf16w) on CPUs without native bf16 matmul."""
+        return "bfloat16" if self.linear_backend == "kernel" else self.dtype
+
     def describe(self) -> str:
-        rows = [("device", self.device), ("dtype", self.dtype), ("weights", self.weight_dtype or self.dtype),
+        rows = [("device", self.device), ("dtype", self.dtype), ("weights", self.weight_dtype),
                 ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
                 ("attention", ATTENTION_LABELS.get(self.attention, self.attention)),
@@ -146,12 +149,10 @@ def plan_linears(plan: EnginePlan, auto_dtype: bool) -> None:
     fp32 (mii::linear_bf16w) when the dtype is auto (activations fp32) or bf16 (activations bf16) — a decode step
     streams half the bytes of fp32 weights, and oneDNN's emulated bf16 GEMM is avoided. An explicit float32
     keeps float32 weights."""
-    plan.weight_dtype = plan.dtype
     if plan.device != "cpu" or plan.attention != "kernel" or cpu_has_fast_bf16():
         return
     if not (auto_dtype or plan.dtype == "bfloat16"):
         return
-    plan.weight_dtype = "bfloat16"
     plan.linear_backend = "kernel"
     plan.reasons["weights"] = ("auto: " if auto_dtype else "") + (
         "no native bf16 matmul on this CPU: weights kept in bf16 (half the bytes of fp32 per decode step), "
