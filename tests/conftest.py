@@ -3,9 +3,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # without a GPU our Triton kernels run in Triton's interpreter; set before any test imports Triton (torch may
+    # import it on its own), so that the order of the tests does not matter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """CUDA-graph bucketing and replay logic, without a GPU: batch sizes, which steps fit, the padded static inputs,
 and a whole engine whose decode steps go through the graph path (replayed eagerly on CPU, attention by our
 Triton kernels in the interpreter) giving the same tokens as the eager path."""
-import os
 
 import numpy as np
 import pytest
@@ -90,9 +89,7 @@ def test_only_the_sampling_rows_come_back():
 def test_engine_decode_through_graph_path_matches_eager(tmp_path, tokenizer_dir, monkeypatch):
     """On a GPU: real CUDA graphs. On CPU: the same path with graphs replayed eagerly and the Triton attention
     in its interpreter."""
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    on_gpu = torch.cuda.is_available()  # (without a GPU, tests/conftest.py set TRITON_INTERPRET=1)
     pytest.importorskip("triton", reason="triton is not installed")
     from transformers import LlamaConfig
 

@@ -1,15 +1,11 @@
 """Our Triton paged-attention kernels against a plain torch reference, on small shapes.
 
-Without a GPU the kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, set here before Triton is
-imported); with one they run compiled on it. Skipped when Triton cannot be imported (`pip install triton`).
+Without a GPU the kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, set by `tests/conftest.py`
+before Triton is imported); with one they run compiled on it. Skipped when Triton cannot be imported (`pip install triton`).
 """
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install triton; it is in the `gpu` extra)")
 
 from mii.kernels import paged_attention_cuda as ta  # noqa: E402
