@@ -16,6 +16,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from google.protobuf import empty_pb2
 
 import mii
 from mii.serving import records
@@ -115,6 +116,17 @@ def test_fault_under_load(pressured, url, tiny_model):
     async def killer():
         while len(outcomes) < 24:  # a quarter of the load done: both replicas are busy
             await asyncio.sleep(0.01)
+        # Requests of equal length run in waves that end together, and an outcome marks the end of a wave: the
+        # victim may be between waves now, holding only requests that have not answered yet (those are retried on
+        # the other replica, not failed). Kill it once a running request of its own has had two steps.
+        async with grpc.aio.insecure_channel(victim["address"]) as channel:
+            victim_stub = pb2_grpc.ModelResponseStub(channel)
+            start = (await victim_stub.EngineStats(empty_pb2.Empty(), timeout=10)).replicas[0]
+            for _ in range(2000):
+                s = (await victim_stub.EngineStats(empty_pb2.Empty(), timeout=10)).replicas[0]
+                if s.num_running and s.generation_tokens_total > start.generation_tokens_total + s.num_running:
+                    break
+                await asyncio.sleep(0.005)
         killed_at.append(time.monotonic())
         os.kill(victim["pid"], signal.SIGKILL)
         async with httpx.AsyncClient() as http:
