@@ -34,6 +34,11 @@ class ServedModel:
     max_context: int = 0
     ready: bool = False
     aliases: set = field(default_factory=set)
+    tool_call_parser: Optional[str] = None
+    """The format of the model's tool calls (`mii.serving.tool_parsers.PARSERS`); None: only tool_choice
+    "required" or a named function (constrained output) can call tools."""
+    reasoning_parser: Optional[str] = None
+    """The format of the model's reasoning (`mii.serving.reasoning.PARSERS`); None: none is split off."""
 
     def matches(self, model: Optional[str]) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -270,9 +275,11 @@ def check_token_ids(model: ServedModel, prompt, field: str) -> None:
         raise APIError(400, f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field)
 
 
-def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True) -> str:
+def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True, tools: Optional[list] = None,
+                template_kwargs: Optional[dict] = None) -> str:
     """Chat messages as text through the model's template; a 400 naming the message for anything else than text
-    content, and for a chat with nothing to say (no message, or every content empty or whitespace)."""
+    content, and for a chat with nothing to say (no message, or every content empty or whitespace). `tools` (OpenAI's
+    function definitions) and `template_kwargs` (e.g. `enable_thinking`) are passed on to the template."""
     tok = model.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -297,7 +304,8 @@ def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True
     if not any(m["content"].strip() for m in flat):
         raise APIError(400, "messages: every message is empty (nothing to answer)", param="messages")
     try:
-        return tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.apply_chat_template(flat, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       **(template_kwargs or {}))
     except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
 

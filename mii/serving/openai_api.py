@@ -6,11 +6,13 @@ OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], penalties in [-2, 2]); 
 stop strings, `mii.engine.params.BOUNDS`) are in the schema too, so /openapi.json says what is accepted.
 Fields that OpenAI clients send as extras (vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`) are honoured. OpenAI fields that change the answer but are not implemented
-(`NOT_SUPPORTED`: tools, response_format, logit_bias, ...) are refused with a 400 rather than ignored; other
+(`NOT_SUPPORTED`: response_format, logit_bias, ...) are refused with a 400 rather than ignored; other
 unknown fields are ignored, as vLLM does.
 
-A request is translated here (OpenAI's fields → generation keyword arguments; chat messages → text through the
-template) and validated once, by the replica; its typed errors come back renamed to this API's field names.
+A request is translated here (OpenAI's fields → generation keyword arguments; chat messages, tools and
+`chat_template_kwargs` → text through the template; answers → content, `reasoning_content` and `tool_calls`:
+`mii.serving.chat_tools`) and validated once, by the replica; its typed errors come back renamed to this API's
+field names.
 """
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from mii import errors
 from mii.engine.params import BOUNDS
 from mii.response import FinishReason, Response
-from mii.serving import schemas
+from mii.serving import chat_tools, schemas
 from mii.serving.balancer import LoadBalancer
 from mii.serving.http import (APIError, ServedModel, api_error, check_model, check_token_ids,
-                              documented, internal_error, parse_body, read_json, render_chat, require_ready,
+                              documented, internal_error, parse_body, read_json, require_ready,
                               until_disconnect)
 from mii.serving.protocol import INT64, from_multi_reply, make_request
 
@@ -39,7 +41,7 @@ _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "log
 
 
 NOT_SUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,),
@@ -119,6 +121,11 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=BOUNDS.max_logprobs, description="needs logprobs=true")
     add_generation_prompt: bool = True
+    tools: Optional[Annotated[list[chat_tools.Tool], Field(max_length=128)]] = None
+    tool_choice: Optional[chat_tools.ToolChoice] = Field(None, description='default: "auto" with tools, else "none"')
+    parallel_tool_calls: Optional[bool] = Field(None, description="default true; false: at most one call")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="variables for the chat template, e.g. {\"enable_thinking\": false}")
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -136,9 +143,10 @@ def _finish(reason: FinishReason) -> Optional[str]:
 class OpenAICall:
     """One OpenAI request turned into a gRPC request: prompts × n sequences, in choice order."""
 
-    def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str], chat: bool = False):
+    def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str], chat: bool = False,
+                 extra_kwargs: Optional[dict] = None):
         self.model, self.req, self.n = model, req, req.n
-        kwargs = req.engine_kwargs(model.max_context)
+        kwargs = {**req.engine_kwargs(model.max_context), **(extra_kwargs or {})}
         if isinstance(req, ChatRequest):
             lp = (req.top_logprobs or 0) if req.logprobs else None
         else:
@@ -146,6 +154,7 @@ class OpenAICall:
         if lp is not None:
             kwargs["logprobs"] = lp
         self.want_logprobs = lp is not None
+        self.kwargs = kwargs
         try:
             self.grpc_request = make_request(prompts, kwargs, chat=chat)
         except errors.MIIError as e:
@@ -286,19 +295,25 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
         check_model(model, req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: only allowed with logprobs=true", param="top_logprobs")
-        text = render_chat(model, [m.model_dump(exclude_none=True) for m in req.messages], req.add_generation_prompt)
-        job = OpenAICall(model, req, [text], [""], chat=True)  # the replica tokenizes it, adding no special tokens
+        setup = chat_tools.ChatSetup(model, req)  # tools and template variables rendered; how answers are parsed
+        # the replica tokenizes the text, adding no special tokens
+        job = OpenAICall(model, req, [setup.prompt], [""], chat=True, extra_kwargs=setup.engine_kwargs())
         if req.stream:
-            return await _stream_chat(lb, job, req)
+            return await _stream_chat(lb, job, req, setup)
         responses = await _generate(request, lb, job)
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.generated_text},
-                    "logprobs": _chat_logprobs(job, r) if job.want_logprobs else None,
-                    "finish_reason": _finish(r.finish_reason)} for i, r in enumerate(responses)]
+        choices = []
+        for i, r in enumerate(responses):
+            parser = setup.parser(job.kwargs)
+            parser.feed(r.generated_text, final=True)
+            choices.append({"index": i, "message": parser.message(),
+                            "logprobs": _chat_logprobs(job, r) if job.want_logprobs else None,
+                            "finish_reason": parser.finish_reason(_finish(r.finish_reason))})
         return {"id": job.id, "object": "chat.completion", "created": job.created, "model": model.name,
                 "choices": choices, "usage": job.usage(responses)}
 
-    async def _stream_chat(lb, job: OpenAICall, req: ChatRequest):
+    async def _stream_chat(lb, job: OpenAICall, req: ChatRequest, setup: chat_tools.ChatSetup):
         stream, first = await _first_chunk(lb, job)
+        parsers = [setup.parser(job.kwargs) for _ in range(job.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk_of(choices, usage=None) -> dict:
@@ -312,9 +327,12 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
                            "finish_reason": None} for i in range(job.n)])]
 
         def choice_event(i, r, finish):
-            delta = {"content": r.generated_text} if r.generated_text else {}
+            delta = parsers[i].feed(r.generated_text, final=finish is not None)
             lp = _chat_logprobs(job, r) if job.want_logprobs else None
-            return chunk_of([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+            if not delta and lp is None and finish is None:
+                return None  # text held back by the parsers (markup that may start a tool call)
+            return chunk_of([{"index": i, "delta": delta, "logprobs": lp,
+                              "finish_reason": parsers[i].finish_reason(finish)}])
 
         def usage_event(last):
             return chunk_of([], job.usage(last)) if include_usage else None
@@ -338,7 +356,9 @@ async def _sse_events(stream, first, head: list, choice_event, usage_event):
                 finish = _finish(r.finish_reason)
                 if i in done or (not r.generated_text and not r.token_ids and finish is None):
                     continue
-                yield _sse(choice_event(i, r, finish))
+                event = choice_event(i, r, finish)
+                if event is not None:
+                    yield _sse(event)
                 if finish:
                     done.add(i)
             chunk = await _next(stream)

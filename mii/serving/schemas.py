@@ -5,7 +5,7 @@ translation in `openai_api.py`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -39,12 +39,16 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 
 class ChatMessage(BaseModel):
     """A chat message; its content is text: a string, or text parts (joined). Other kinds of parts (images,
-    audio) are not supported: the gateway refuses them naming the part."""
+    audio) are not supported: the gateway refuses them naming the part. An assistant message may carry the
+    `tool_calls` it made, and a `tool` message answers one (`tool_call_id`); both go to the chat template."""
 
     model_config = ConfigDict(extra="allow")
     role: str
     content: Annotated[Optional[Union[str, list[dict]]], WithJsonSchema(
         {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]})] = None
+    tool_calls: Optional[list[dict[str, Any]]] = Field(
+        None, description="an assistant's calls: {id, type: function, function: {name, arguments (JSON text)}}")
+    tool_call_id: Optional[str] = Field(None, description="a tool message: the call it answers")
 
 
 # --- OpenAI answers ----------------------------------------------------------------------------------------------
@@ -96,16 +100,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str] = Field(description="null when the answer is only tool calls or reasoning")
+    reasoning_content: Optional[str] = Field(None, description="the thinking of a reasoning model (its parser on)")
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: Optional[ChatLogprobs]
-    finish_reason: Optional[Literal["stop", "length"]]
+    finish_reason: Optional[Literal["stop", "length", "tool_calls"]]
 
 
 class ChatCompletion(BaseModel):

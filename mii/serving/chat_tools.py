@@ -1,0 +1,318 @@
+"""Tool calling and reasoning on `/v1/chat/completions`: the request side (`tools`, `tool_choice`,
+`parallel_tool_calls`, `chat_template_kwargs` checked, turned into the chat template's arguments and, for
+`tool_choice="required"` or a named function, into a JSON-schema constraint), and the answer side (`ChoiceParser`:
+one choice's text split into `reasoning_content`, `content` and `tool_calls`, streamed or whole).
+
+Tools are rendered by the model's own template (the `tools` argument of Hugging Face chat templates). With
+`"auto"` the model decides, and its calls are parsed in its format (`mii.serving.tool_parsers`, chosen from the
+template or by `--tool-call-parser`). With `"required"` or a named function the engine's constraint holds the
+output to a JSON array of calls (or that function's arguments) valid for the tools' parameter schemas, whatever
+the template's format, so the answer is always a valid call. `"none"` (the default without tools) renders no tools
+and parses nothing.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mii.serving import reasoning, tool_parsers
+from mii.serving.http import APIError, render_chat
+
+_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=_NAME, description="letters, digits, _ . -; at most 64")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON Schema of type object")
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+def _reserved_template_args() -> frozenset:
+    """Names that `apply_chat_template` takes itself (its parameters) or gives the template: not for requests."""
+    from transformers import PreTrainedTokenizerBase
+
+    own = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    return frozenset(own | {"messages", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
+
+def check_template_kwargs(kwargs: Optional[dict]) -> dict:
+    """`chat_template_kwargs`: variables for the template (e.g. `enable_thinking`), none of the names the
+    rendering itself sets."""
+    reserved = _reserved_template_args()
+    for key in kwargs or {}:
+        if not key.isidentifier() or key in reserved:
+            raise APIError(400, f"chat_template_kwargs.{key}: not a template variable that may be set here",
+                           param="chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages as Hugging Face templates take them: an assistant's `tool_calls[].function.arguments`
+    (a JSON string in OpenAI's API) as an object."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls is None:
+            out.append(m)
+            continue
+        where = f"messages[{i}].tool_calls"
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            raise APIError(400, f"{where}: only an assistant message has tool_calls (a list)", param=where)
+        fixed = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, f"{where}[{j}]: expected {{id, type: function, function: {{name, arguments}}}}",
+                               param=f"{where}[{j}]")
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args or "{}")
+                except ValueError:
+                    args = None
+            if not isinstance(args, dict):
+                raise APIError(400, f"{where}[{j}].function.arguments: must be a JSON object (as a string)",
+                               param=f"{where}[{j}].function.arguments")
+            fixed.append({**call, "function": {**fn, "arguments": args}})
+        out.append({**m, "tool_calls": fixed})
+    return out
+
+
+def template_text(chat_template) -> str:
+    if isinstance(chat_template, dict):
+        return " ".join(str(t) for t in chat_template.values())
+    return chat_template or ""
+
+
+class ToolPlan:
+    """What a chat request's tools mean for its rendering, its constraint and the parsing of its answer."""
+
+    def __init__(self, tools: Optional[list[Tool]], choice: Optional[ToolChoice], parallel: Optional[bool],
+                 parser: Optional[str], chat_template):
+        self.tools = tools or []
+        self.parallel = True if parallel is None else parallel
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice: only allowed when tools are given", param="tool_choice")
+        names = [t.function.name for t in self.tools]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise APIError(400, f"tools: two functions are named {dup!r}", param="tools")
+        for i, t in enumerate(self.tools):
+            _check_parameters(t.function.parameters, f"tools[{i}].function.parameters")
+        self.named: Optional[str] = None
+        if isinstance(choice, NamedToolChoice):
+            self.named = choice.function.name
+            if self.named not in names:
+                raise APIError(400, f"tool_choice: no tool is named {self.named!r} (tools: {', '.join(names)})",
+                               param="tool_choice")
+        self.choice = "named" if self.named else choice
+        self.parser = parser
+        if self.choice != "none" and "tools" not in template_text(chat_template):
+            raise APIError(400, "tools: this model's chat template does not render tools", param="tools")
+        if self.choice == "auto" and parser is None:
+            raise APIError(400, "tools: the server knows no tool-call format for this model's chat template; start "
+                           "it with --tool-call-parser (hermes, llama3_json or mistral), or use "
+                           "tool_choice='required' or a named function", param="tools")
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in ("required", "named")
+
+    def template_tools(self) -> Optional[list[dict]]:
+        """The tools for the template (None with "none": the model is not told of them)."""
+        if not self.active:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def json_schema(self) -> Optional[dict]:
+        """The constraint on the output: a named function's arguments, or an array of calls for "required"."""
+        if self.choice == "named":
+            return _parameters(next(t for t in self.tools if t.function.name == self.named))
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
+        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def parser_for_answer(self) -> Optional[tool_parsers.ToolParser]:
+        if self.choice == "named":
+            return tool_parsers.NamedArgumentsParser(self.named)
+        if self.choice == "required":
+            return tool_parsers.JSONArrayParser()
+        if self.choice == "auto":
+            return tool_parsers.PARSERS[self.parser]()
+        return None
+
+    @property
+    def id_style(self) -> str:
+        return self.parser or ""
+
+
+def _parameters(tool: Tool) -> dict:
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object",
+                                                                                   "properties": {}}
+
+
+def _check_parameters(schema: Optional[dict], where: str) -> None:
+    if schema is None:
+        return
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise APIError(400, f"{where}: not a valid JSON Schema: {e.message}", param=where) from None
+    if schema.get("type", "object") != "object":
+        raise APIError(400, f"{where}: must be a schema of type object (got type {schema.get('type')!r})",
+                       param=where)
+
+
+class ChoiceParser:
+    """One choice's answer as OpenAI's message: `feed` each text piece (`final` with the last) and get the delta
+    (`reasoning_content`, `content`, `tool_calls` with index, id, type and function {name, arguments}); `message()`
+    is the whole answer. Streamed deltas join to exactly `message()`, however the text was cut."""
+
+    def __init__(self, tools: Optional[ToolPlan] = None, reasoning_on: bool = False, in_think: bool = False):
+        self.think = reasoning.ThinkParser(in_think) if reasoning_on else None
+        self.tools = tools.parser_for_answer() if tools is not None else None
+        self.parallel = tools.parallel if tools is not None else True
+        self.id_style = tools.id_style if tools is not None else ""
+        self.reasoning, self.content, self.calls = [], [], []
+        self.blank = ""  # trailing whitespace of the content, held while calls may follow (then dropped)
+
+    def feed(self, text: str, final: bool = False) -> dict:
+        if self.think is None:
+            events = [("content", text)] if text else []
+        else:
+            events = self.think.feed(text) + (self.think.finish() if final else [])
+        return self._delta(self._route(events, final))
+
+    def _route(self, events, final: bool) -> list:
+        if self.tools is None:
+            return events
+        out = []
+        for kind, text in events:
+            out.extend(self.tools.feed(text) if kind == "content" else [(kind, text)])
+        if final:
+            out.extend(self.tools.finish())
+        return self._gate(out, final)
+
+    def _gate(self, events, final: bool) -> list:
+        """Content's trailing whitespace waits for more content: dropped if the answer ends after tool calls."""
+        out = []
+        for kind, value in events:
+            if kind != "content":
+                out.append((kind, value))
+                continue
+            text = self.blank + value
+            body = text.rstrip()
+            self.blank = text[len(body):]
+            if body:
+                out.append(("content", body))
+        if final and self.blank:
+            if not self.calls and not any(k == "tool_call" for k, _ in out):
+                out.append(("content", self.blank))
+            self.blank = ""
+        return out
+
+    def _delta(self, events) -> dict:
+        delta: dict = {}
+        for kind, value in events:
+            if kind == "tool_call":
+                if self.calls and not self.parallel:
+                    continue  # parallel_tool_calls=false: the first call only
+                call = {"index": len(self.calls), "id": tool_parsers.call_id(self.id_style), "type": "function",
+                        "function": {"name": value.name, "arguments": value.arguments}}
+                self.calls.append(call)
+                delta.setdefault("tool_calls", []).append(call)
+            else:
+                key = "reasoning_content" if kind == "reasoning" else "content"
+                (self.reasoning if kind == "reasoning" else self.content).append(value)
+                delta[key] = delta.get(key, "") + value
+        return delta
+
+    def message(self) -> dict:
+        """The whole answer so far as an assistant message."""
+        content = "".join(self.content)
+        msg: dict = {"role": "assistant",
+                     "content": content if content or not (self.calls or self.reasoning) else None}
+        if self.think is not None:
+            msg["reasoning_content"] = "".join(self.reasoning) or None
+        if self.calls:
+            msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+        return msg
+
+    def finish_reason(self, engine_reason: Optional[str]) -> Optional[str]:
+        return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason
+
+
+CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""Generation arguments that constrain the output (`mii.engine.constraints.KINDS`): with one, the answer is the
+constrained text, and no reasoning is split off it."""
+
+
+class ChatSetup:
+    """A chat request's rendering (tools and template variables in the template) and the parsing of its answers."""
+
+    def __init__(self, model, req):
+        tok = model.tokenizer
+        self.tools = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, model.tool_call_parser,
+                              getattr(tok, "chat_template", None))
+        template_kwargs = check_template_kwargs(req.chat_template_kwargs)
+        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        self.prompt = render_chat(model, messages, req.add_generation_prompt, self.tools.template_tools(),
+                                  template_kwargs)
+        self.reasoning_on = model.reasoning_parser is not None
+        self.in_think = reasoning.starts_thinking(self.prompt)
+
+    def engine_kwargs(self) -> dict:
+        """What the tools add to the generation arguments: the constraint of "required" or a named function."""
+        schema = self.tools.json_schema()
+        return {} if schema is None else {"json_schema": schema}
+
+    def parser(self, engine_kwargs: dict) -> ChoiceParser:
+        constrained = any(k in engine_kwargs for k in CONSTRAINT_KEYS)
+        return ChoiceParser(self.tools if self.tools.active else None, self.reasoning_on and not constrained,
+                            self.in_think)
+
+
+def parse_choice(text: str, tools: Optional[ToolPlan] = None, reasoning_on: bool = False,
+                 in_think: bool = False) -> dict:
+    """A whole answer as an assistant message (the same machine as streaming, fed in one piece)."""
+    p = ChoiceParser(tools, reasoning_on, in_think)
+    p.feed(text, final=True)
+    return p.message()
+
