@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from mii.config import ModelConfig
+from mii.engine.constraints import GrammarCompiler
 from mii.engine.cuda_graphs import plan_cuda_graphs
 from mii.engine.detokenizer import Detokenizer
 from mii.engine.kv_cache import KVCacheManager
@@ -97,6 +98,8 @@ class Engine:
             plan.max_context = self.kv.capacity_tokens
             plan.reasons["max context"] = f"capped by the KV cache ({plan.kv_num_blocks} blocks of {plan.kv_block_size})"
         self.eos = frozenset(loaded.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.cfg.vocab_size, loaded.eos_token_ids)
+        """Compiles the requests' constraints (`InputProcessor` calls it at admission), cached per constraint."""
         self.requests: dict[int, _Request] = {}
         self._uids = itertools.count()
         self._seed_rng = random.Random(model_config.seed)  # None: fresh entropy in every process
@@ -122,6 +125,8 @@ class Engine:
             uid = next(self._uids)
             seed = r.params.seed if r.params.seed is not None else self._seed_rng.getrandbits(63)
             seq = Sequence(uid, list(r.prompt_ids), r.max_total, r.params, seed)
+            if r.grammar is not None:
+                seq.constraint = r.grammar.matcher()
             self.requests[uid] = _Request(seq, Detokenizer(self.tokenizer, seq.prompt_ids, r.params.stop))
             self.scheduler.add(seq)
             uids.append(uid)
@@ -130,7 +135,12 @@ class Engine:
     def abort(self, uid: int) -> None:
         req = self.requests.pop(uid, None)
         if req is not None:
-            self.scheduler.finish(req.seq)
+            self._finish(req.seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """A sequence leaves: its blocks go back, its matcher is dropped."""
+        self.scheduler.finish(seq)
+        seq.constraint = None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -190,7 +200,7 @@ class Engine:
 
     def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
         log.error("request %d failed in an engine step and was dropped: %s: %s", seq.uid, type(e).__name__, e)
-        self.scheduler.finish(seq)
+        self._finish(seq)
         self.requests.pop(seq.uid, None)
         error = EngineStepError(f"the request failed inside the engine ({type(e).__name__}: {e}); "
                                 "other requests were not affected")
@@ -212,11 +222,14 @@ class Engine:
                 if may_stop and ((token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
                     reason, text = FinishReason.STOP, req.detok.flush()  # the EOS token itself is not in the text
                 else:
-                    reason = FinishReason.LENGTH if seq.num_tokens >= seq.max_total else FinishReason.NONE
-                    text = req.detok.add(token, final=reason is FinishReason.LENGTH, check_stop=may_stop)
+                    # a constrained request also ends where its grammar is complete
+                    complete = seq.constraint is not None and seq.constraint.advance(token)
+                    reason = (FinishReason.STOP if complete else
+                              FinishReason.LENGTH if seq.num_tokens >= seq.max_total else FinishReason.NONE)
+                    text = req.detok.add(token, final=reason is not FinishReason.NONE, check_stop=may_stop)
                     if req.detok.stopped:
                         reason = FinishReason.STOP
-            except Exception as e:  # the detokenizer failed on this request's tokens: it alone ends
+            except Exception as e:  # the detokenizer (or the matcher) failed on this request's tokens: it alone ends
                 results.append(self._fail(seq, e))
                 continue
             final = reason is not FinishReason.NONE
@@ -228,6 +241,6 @@ class Engine:
                 lp = [(token, s.logprobs[row], top)]
             results.append(RequestOutput(uid, text, [token], final, reason, seq.num_prompt, n, lp))
             if final:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 del self.requests[uid]
         return results

@@ -29,7 +29,7 @@ class BuiltEngine:
     tp_group: Optional[TPGroup] = None
 
     def input_processor(self) -> InputProcessor:
-        return InputProcessor(self.tokenizer, self.engine.limits)
+        return InputProcessor(self.tokenizer, self.engine.limits, self.engine.grammars)
 
 
 def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) -> BuiltEngine:

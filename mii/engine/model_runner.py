@@ -16,7 +16,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample
+from mii.engine.constraints import fill_bitmask
+from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample, unpack_bitmask
 from mii.engine.scheduler import ScheduledBatch
 from mii.layers.attention import AttentionContext, AttentionGroup
 
@@ -92,6 +93,9 @@ class ModelRunner:
             for m in model.modules():
                 if hasattr(m, "fused"):
                     m.fused = True
+            for m in model.modules():  # the decoder layers in one C++ call where the architecture allows
+                if hasattr(m, "fuse_stack"):
+                    m.fuse_stack()
         self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
     @staticmethod
@@ -201,6 +205,15 @@ class ModelRunner:
             sb.penalties = sb.penalties[:3] + (
                 pad_ids([s.prompt_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, ps)], dev),
                 pad_ids([s.generated_ids for s in seqs], dev))
+        sb.allowed = None
+        if sb.constrained:  # the grammar moves every step: its bitmask too (on the CPU, by llguidance)
+            V = self.vocab_size
+            bits = fill_bitmask([seqs[i].constraint for i in sb.constrained], V)  # [C, ceil(V / 32)] int32
+            if dev.type == "cpu":  # numpy unpacks bits ~10x faster than tensor shifts on the CPU
+                sb.allowed = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :V]
+                                              .view(np.bool_))
+            else:  # 32x fewer bytes to copy; unpacked on the device
+                sb.allowed = unpack_bitmask(torch.from_numpy(bits).to(dev, non_blocking=True), V)
         sb.banned = None
         if sb.has_min_tokens:
             banned = [(list(self.eos) if not p.ignore_eos else []) + list(p.stop_token_ids)
@@ -232,6 +245,14 @@ class ModelRunner:
             logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
         sb.has_min_tokens = any(p.min_new_tokens > 0 for p in ps)
+        sb.constrained = tuple(i for i, s in enumerate(seqs) if s.constraint is not None)
+        if sb.constrained:
+            sb.constrained_rows = torch.tensor(sb.constrained, dtype=torch.long).to(dev, non_blocking=True)
+        if any(p.logit_bias for p in ps):
+            rows = [i for i, p in enumerate(ps) for _ in p.logit_bias]
+            sb.logit_bias = (torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
+                             torch.tensor([t for p in ps for t, _ in p.logit_bias], dtype=torch.long).to(dev),
+                             torch.tensor([b for p in ps for _, b in p.logit_bias], dtype=torch.float32).to(dev))
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
             sb.penalties = (torch.tensor([p.repetition_penalty for p in ps]).to(dev, non_blocking=True),
                             torch.tensor([p.presence_penalty for p in ps]).to(dev, non_blocking=True),

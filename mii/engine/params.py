@@ -1,4 +1,5 @@
-"""Generation parameters of one request: MII's, plus ours (seed, penalties, min_p, stop ids, logprobs, n).
+"""Generation parameters of one request: MII's, plus ours (seed, penalties, min_p, stop ids, logprobs, n,
+logit_bias, and the output constraints of `mii.engine.constraints`).
 
 `GenerationParams.from_kwargs` is the single place where user values are checked; the engine trusts the result.
 """
@@ -9,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from mii.engine.constraints import Constraint, normalize_json_schema
+from mii.engine.constraints import check_fields as check_constraint_fields
 from mii.errors import UnknownArgument, ValidationError
 
 INT64_MAX = 2**63 - 1
@@ -26,6 +29,10 @@ class RequestBounds:
     max_stop_length: int = 256
     """Characters per stop string."""
     max_stop_token_ids: int = 64
+    max_constraint_chars: int = 256 * 1024
+    """Characters of a json_schema, regex or grammar (or of all choice strings together)."""
+    max_logit_bias: int = 1024
+    """Entries of logit_bias."""
 
 
 BOUNDS = RequestBounds()
@@ -54,6 +61,26 @@ class GenerationParams:
     logprobs: Optional[int] = None
     """Number of top log-probabilities to return per generated token (0: only the chosen token's)."""
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling; given as a dict {token id: bias in [-100, 100]}
+    (OpenAI's logit_bias; ids may be strings of digits, as JSON keys are)."""
+    # constraints (mii.engine.constraints): at most one
+    json_schema: Optional[str] = None
+    """The output is JSON valid under this schema; given as a dict or JSON text, kept as canonical JSON text."""
+    json_object: bool = False
+    """The output is a JSON object (any)."""
+    regex: Optional[str] = None
+    """The whole output matches this regular expression (Rust regex syntax)."""
+    choice: Optional[tuple[str, ...]] = None
+    """The output is exactly one of these strings."""
+    grammar: Optional[str] = None
+    """The output follows this grammar: llama.cpp's GBNF (`root ::= ...`) or Lark (`start: ...`, llguidance's
+    dialect)."""
+
+    @property
+    def constraint(self):
+        """The `mii.engine.constraints.Constraint` this request carries, or None."""
+        return Constraint.of(self)
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +100,14 @@ class GenerationParams:
             values["stop"] = _stop_strings(values["stop"])
         if "stop_token_ids" in values:
             values["stop_token_ids"] = _int_tuple("stop_token_ids", values["stop_token_ids"])
+        if "logit_bias" in values:
+            values["logit_bias"] = _logit_bias(values["logit_bias"])
+        if "json_schema" in values:
+            values["json_schema"] = normalize_json_schema(values["json_schema"])
+        if isinstance(values.get("choice"), list):
+            values["choice"] = tuple(values["choice"])
+        if values.get("choice") is not None and not isinstance(values["choice"], tuple):
+            raise ValidationError("choice", f"must be a list of strings, got {values['choice']!r:.60}")
         params = cls(**values)
         params._validate()
         return params
@@ -84,6 +119,7 @@ class GenerationParams:
         _int_field("top_k", self.top_k, low=0, high=INT64_MAX, optional=True)
         _int_field("logprobs", self.logprobs, low=0, high=BOUNDS.max_logprobs, optional=True)
         _int_field("n", self.n, low=1, high=BOUNDS.max_n)
+        check_constraint_fields(self, BOUNDS.max_constraint_chars)
         # sample j of n draws with seed + j, an int64 in the sampler
         _int_field("seed", self.seed, low=0, high=INT64_MAX - (self.n - 1), optional=True,
                    why=f" (sample j of n={self.n} uses seed + j, a 64-bit signed integer)" if self.n > 1 else
@@ -166,3 +202,29 @@ def _int_tuple(name, values) -> tuple[int, ...]:
     if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise ValidationError(name, f"must be a list of integers, got {values!r}")
     return tuple(values)
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or strings of digits, as JSON keys are) → sorted (id, bias) pairs."""
+    if bias is None:
+        return ()
+    if isinstance(bias, tuple):  # the stored form
+        bias = dict(bias)
+    if not isinstance(bias, dict):
+        raise ValidationError("logit_bias", f"must be an object mapping token ids to biases, got {bias!r:.60}")
+    if len(bias) > BOUNDS.max_logit_bias:
+        raise ValidationError("logit_bias", f"at most {BOUNDS.max_logit_bias} entries, got {len(bias)}")
+    pairs = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str):
+            if not key.isascii() or not key.isdigit():
+                raise ValidationError("logit_bias", f"keys are token ids, got {key!r:.60}")
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValidationError("logit_bias", f"keys are token ids (integers >= 0), got {key!r:.60}")
+        x = _number("logit_bias", value)
+        if not -100.0 <= x <= 100.0:
+            raise ValidationError("logit_bias", f"biases are in [-100, 100], got {value} for token {token}")
+        pairs[token] = x
+    return tuple(sorted(pairs.items()))

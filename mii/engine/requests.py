@@ -3,7 +3,8 @@
 Every front end goes through `InputProcessor.process` exactly once: `mii.pipeline` in its own process, and the
 replica for every gRPC request (from `mii.client`, MII's own client, the MII REST route and the OpenAI API, which
 only translate their fields to generation keyword arguments). Here prompts are checked and tokenized, parameters
-validated (`GenerationParams.from_kwargs`, one per prompt), length limits resolved, the `return_full_text` prefix
+validated (`GenerationParams.from_kwargs`, one per prompt), constraints compiled (`mii.engine.constraints`: a bad
+schema or grammar is refused here), length limits resolved, the `return_full_text` prefix
 made and `n` expanded into sequences (sample j of a seeded prompt gets `seed + j`); the engine trusts the result.
 """
 from __future__ import annotations
@@ -12,11 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from mii.engine.constraints import CompiledGrammar, GrammarCompiler
 from mii.engine.params import GenerationParams
 from mii.errors import PromptTooLongError, ValidationError
 
 Prompt = Union[str, list[int]]
-_LIST_VALUED = {"stop", "stop_token_ids"}  # parameters whose single value is already a list
+_LIST_VALUED = {"stop", "stop_token_ids", "choice"}  # parameters whose single value is already a list
 
 
 def _is_token_ids(p) -> bool:
@@ -134,15 +136,18 @@ class EngineRequest:
     """Length (prompt + generated) at which the sequence ends with finish_reason "length"."""
     prefix: str = ""
     """Text put before the generated text (the prompt, with return_full_text=True)."""
+    grammar: Optional[CompiledGrammar] = None
+    """The compiled constraint of `params` (json_schema, regex, ...), if it has one."""
 
 
 class InputProcessor:
     """Turns one call's prompts and generation keyword arguments into `EngineRequest`s, all validated before any is
     returned (so a bad prompt or value queues nothing)."""
 
-    def __init__(self, tokenizer, limits: RequestLimits):
+    def __init__(self, tokenizer, limits: RequestLimits, grammars: Optional[GrammarCompiler] = None):
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammars = grammars or GrammarCompiler(tokenizer, limits.vocab_size)
 
     def process(self, prompts, kwargs: dict, add_special_tokens: bool = True) -> tuple[list[EngineRequest], bool]:
         """(one request per sequence, prompts × n in prompt order; whether a single prompt was given).
@@ -162,14 +167,17 @@ class InputProcessor:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValidationError("prompt", f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
-            bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValidationError("stop_token_ids", f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+            for name, tokens in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
+                bad = next((t for t in tokens if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise ValidationError(name, f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+            constraint = p.constraint
+            grammar = self.grammars.compile(constraint) if constraint is not None else None
             max_total = self.limits.length_limit(len(ids), p)
             prefix = ""
             if p.return_full_text:
                 prefix = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=True)
             for j in range(p.n):
                 pj = p if p.n == 1 or p.seed is None else dataclasses.replace(p, seed=p.seed + j)
-                out.append(EngineRequest(ids, pj, max_total, prefix))
+                out.append(EngineRequest(ids, pj, max_total, prefix, grammar))
         return out, single

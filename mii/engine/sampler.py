@@ -54,6 +54,10 @@ class SamplingBatch:
     banned: Optional[torch.Tensor] = None  # [S, n] long ids to mask (EOS before min_new_tokens), -1 padding
     logprobs: int = -1            # top-k logprobs to return (max over rows); -1: none
     has_min_tokens: bool = False  # some row has min_new_tokens (its EOS ban is rebuilt each step)
+    logit_bias: Optional[tuple] = None  # (rows [N], token ids [N], biases [N]): logits[row, id] += bias
+    constrained: tuple = ()       # rows with a constraint (mii.engine.constraints), on the host
+    constrained_rows: Optional[torch.Tensor] = None  # [C] long: the same rows, on the device
+    allowed: Optional[torch.Tensor] = None  # [C, V] bool: the tokens those rows' constraints allow next
 
 
 @dataclass
@@ -81,16 +85,35 @@ def apply_penalties(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
     return logits - frequency.unsqueeze(1) * out_counts - presence.unsqueeze(1) * (out_counts > 0)
 
 
+def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[C, W] int32 (bit v % 32 of word v // 32 set where token v is allowed) → [C, vocab] bool, on bits' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(bits.shape[0], -1)[:, :vocab]
+
+
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """-inf at the tokens of `rows` that `allowed` ([C, V] bool) does not allow; other rows are untouched. Costs
+    O(C * V), nothing for rows without a constraint."""
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
-    """logits: [S, V] (any float dtype) → one token per row."""
+    """logits: [S, V] (any float dtype) → one token per row. Logprobs are those of the model's distribution
+    (before penalties, logit_bias and constraints)."""
     logits = logits.float()
     raw = logits
     if sb.penalties is not None:
         logits = apply_penalties(logits, sb.penalties)
+    if sb.logit_bias is not None:
+        rows, ids, bias = sb.logit_bias
+        logits = logits.index_put((rows, ids), bias, accumulate=True)
     if sb.banned is not None:
         mask = torch.zeros_like(logits, dtype=torch.bool)
         mask.scatter_(1, sb.banned.clamp(min=0), sb.banned >= 0)
         logits = logits.masked_fill(mask, float("-inf"))
+    if sb.allowed is not None:
+        logits = apply_allowed(logits, sb.constrained_rows, sb.allowed)
     tokens = logits.argmax(dim=-1)
     if not sb.all_greedy:
         scaled = logits / sb.temperature.clamp(min=1e-5).unsqueeze(1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from mii.engine.params import GenerationParams
 
@@ -27,6 +28,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    constraint: Any = None
+    """The `mii.engine.constraints.Matcher` of a constrained request (it outlives preemption), else None."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

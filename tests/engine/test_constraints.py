@@ -1,0 +1,172 @@
+"""Constrained decoding in the engine (mii.engine.constraints) on a tiny random Llama, whose output is noise: only
+the constraint can make it valid. JSON schemas validated with the `jsonschema` package, regex / choice / grammar on
+every sample, bad constraints refused naming the field, constrained rows batched with unconstrained ones (which
+must not change), a constraint across preemption, logit_bias."""
+import json
+import re
+
+import jsonschema
+import pytest
+from transformers import LlamaConfig
+
+import mii
+from mii.engine.constraints import Constraint, GrammarCompiler
+from mii.errors import ValidationError
+from tests.reference import TINY, prompts_for, tiny_checkpoint
+
+VOCAB = 49152
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "score": {"type": "number", "minimum": -1, "maximum": 1},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_dir):
+    return tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path_factory.mktemp("llama"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    p = mii.pipeline(str(tiny), dtype="float32")
+    yield p
+    p.destroy()
+
+
+def test_json_schema_on_a_random_model(pipe):
+    outs = pipe(["Describe a user:", "JSON:"], json_schema=SCHEMA, n=4, seed=7, temperature=1.0, top_p=1.0,
+                max_new_tokens=300)
+    assert len(outs) == 8
+    for o in outs:
+        assert o.finish_reason == "stop", o.generated_text  # ended by the grammar, not the length
+        jsonschema.validate(json.loads(o.generated_text), SCHEMA)
+    assert len({o.generated_text for o in outs}) > 4  # sampled, not one forced answer
+
+
+def test_json_object_regex_choice_grammar(pipe):
+    objects = pipe(["a", "b"], json_object=True, seed=1, max_new_tokens=48)
+    for o in objects:  # any object may be endless on a random model: those that end must parse
+        assert o.generated_text.lstrip().startswith("{")
+        assert o.finish_reason == "length" or isinstance(json.loads(o.generated_text), dict)
+    for o in pipe("phone:", regex=r"\+1 \d{3}-[0-9]{4}", n=4, seed=2, max_new_tokens=30):
+        assert re.fullmatch(r"\+1 [0-9]{3}-[0-9]{4}", o.generated_text) and o.finish_reason == "stop"
+    choices = ["yes", "no", "maybe not"]
+    outs = pipe("?", choice=choices, n=6, seed=3, max_new_tokens=10)
+    assert all(o.generated_text in choices and o.finish_reason == "stop" for o in outs)
+    gbnf = 'root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-c] | [0-9]{1,3}'
+    shapes = r"\(([a-c]|[0-9]{1,3})(,([a-c]|[0-9]{1,3})){0,3}\)|<[xyz]{1,4}>"
+    lark = 'start: "<" NAME ">"\nNAME: /[xyz]{1,4}/'
+    for o in pipe(["g"] * 4, grammar=[gbnf] * 2 + [lark] * 2, seed=4, max_new_tokens=40):
+        assert re.fullmatch(shapes, o.generated_text) and o.finish_reason == "stop", o.generated_text
+    # per-prompt constraints, one of them none
+    a, b, c = pipe(["x", "y", "z"], regex=[r"[01]{5}", None, r"z+"], max_new_tokens=8, seed=5, ignore_eos=True)
+    assert re.fullmatch(r"[01]{5}", a.generated_text) and re.fullmatch("z+", c.generated_text)
+    assert b.finish_reason == "length" and b.generated_length == 8
+
+
+def test_stop_strings_apply_to_constrained_output(pipe):
+    o = pipe("x", regex=r"abc;def", stop=[";"], max_new_tokens=20)[0]
+    assert o.generated_text == "abc" and o.finish_reason == "stop"
+
+
+def test_bad_constraints_name_their_field(pipe):
+    cases = [({"json_schema": {"type": "objectx"}}, "json_schema"), ({"json_schema": "{not json"}, "json_schema"),
+             ({"json_schema": [1, 2]}, "json_schema"), ({"regex": "a(b"}, "regex"),
+             ({"grammar": "root ::= missing"}, "grammar"), ({"grammar": "start: foo"}, "grammar"),
+             ({"choice": []}, "choice"), ({"choice": ["a", 3]}, "choice"), ({"regex": "a", "choice": ["a"]}, "choice"),
+             ({"json_object": "yes"}, "json_object"), ({"regex": "x" * (256 * 1024 + 1)}, "regex")]
+    for kwargs, field in cases:
+        with pytest.raises(ValidationError) as e:
+            pipe("x", max_new_tokens=4, **kwargs)
+        assert e.value.field == field, (kwargs, e.value)
+    assert not pipe.engine.has_unfinished()
+
+
+def test_constrained_rows_leave_the_others_alone(pipe):
+    """Greedy fp32: the unconstrained outputs of a batch with constrained requests equal those of a run without
+    them (the mask touches only its own rows)."""
+    prompts = prompts_for(VOCAB, lengths=(5, 17, 40))
+    alone = pipe(prompts, max_new_tokens=24, do_sample=False, ignore_eos=True)
+    mixed = pipe(prompts + prompts, max_new_tokens=24, do_sample=False, ignore_eos=True,
+                 json_schema=[None] * 3 + [SCHEMA] * 3)
+    assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
+    assert [o.token_ids for o in mixed[3:]] != [o.token_ids for o in alone]
+    for o in mixed[3:]:  # 24 tokens may not finish the object: the prefix is still the schema's
+        assert o.generated_text.lstrip().startswith("{")
+
+
+def test_constraint_survives_preemption(tiny):
+    """A KV cache of 12 blocks of 16 tokens for 6 sequences of up to ~90 tokens: sequences are preempted and
+    recomputed, their matchers kept; every answer is still valid and equal to the answer without preemption."""
+    kwargs = dict(json_schema=SCHEMA, max_new_tokens=150, do_sample=False)
+    prompts = [[5 + i, 9, 13] for i in range(6)]
+    small = mii.pipeline(str(tiny), dtype="float32", inference_engine_config={"state_manager": {
+        "kv_block_size": 16, "memory_config": {"mode": "allocate", "size": 12}}})
+    try:
+        tight = small(prompts, **kwargs)
+        assert small.engine.num_preemptions > 0
+    finally:
+        small.destroy()
+    roomy = mii.pipeline(str(tiny), dtype="float32")
+    try:
+        free = roomy(prompts, **kwargs)
+    finally:
+        roomy.destroy()
+    assert [o.token_ids for o in tight] == [o.token_ids for o in free]
+    for o in tight:
+        jsonschema.validate(json.loads(o.generated_text), SCHEMA)
+
+
+def test_abort_and_finish_release_the_matcher(pipe):
+    stream = pipe.stream("x", json_schema=SCHEMA, max_new_tokens=100)
+    next(stream)
+    (seq,) = [r.seq for r in pipe.engine.requests.values()]
+    assert seq.constraint is not None
+    stream.close()  # aborts
+    assert seq.constraint is None and not pipe.engine.has_unfinished()
+
+
+def test_compile_cache_and_eos_only_where_accepted(tiny, pipe):
+    compiler = pipe.engine.grammars
+    c = Constraint("regex", r"ab+")
+    assert compiler.compile(c) is compiler.compile(c)
+    m = compiler.compile(c).matcher()
+    tok = pipe.tokenizer
+    eos = tok.eos_token_id
+    from mii.engine.constraints import fill_bitmask
+
+    def allowed(matcher):
+        bits = fill_bitmask([matcher], VOCAB)
+        return {v for v in range(VOCAB) if bits[0, v // 32] >> (v % 32) & 1}
+
+    assert eos not in allowed(m)  # nothing yet: "" does not match ab+
+    assert not m.advance(tok.convert_tokens_to_ids("a"))
+    assert eos not in allowed(m)
+    assert not m.advance(tok.convert_tokens_to_ids("b"))
+    assert eos in allowed(m)  # "ab" matches, "abb..." too
+    assert isinstance(GrammarCompiler(tok, VOCAB), GrammarCompiler)
+
+
+def test_logit_bias(pipe):
+    prompt = prompts_for(VOCAB, lengths=(9,))[0]
+    plain = pipe([prompt], max_new_tokens=6, do_sample=False, ignore_eos=True)[0].token_ids
+    forced = pipe([prompt], max_new_tokens=6, do_sample=False, ignore_eos=True, logit_bias={"4321": 100})[0]
+    assert forced.token_ids == [4321] * 6
+    banned = pipe([prompt], max_new_tokens=6, do_sample=False, ignore_eos=True, logit_bias={plain[0]: -100})[0]
+    assert banned.token_ids[0] != plain[0]
+    for bad in ({"x": 1}, {5: 101}, {-1: 1}, {VOCAB: 1}, [1, 2]):
+        with pytest.raises(ValidationError) as e:
+            pipe([prompt], max_new_tokens=2, logit_bias=bad)
+        assert e.value.field == "logit_bias"
