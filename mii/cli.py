@@ -80,6 +80,7 @@ def cmd_serve(args) -> int:
         kwargs["inference_engine_config"] = {"state_manager": {"max_context": args.max_context}}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
+    kwargs.update(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     cfg = build_mii_config(args.model, **kwargs)
     logging.getLogger("mii").setLevel(logging.WARNING if args.quiet else logging.INFO)
 
@@ -152,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "signal stops at once (default: 30)")
     v.add_argument("--max-context", type=int, default=None, help="longest sequence accepted (default: the model's)")
     v.add_argument("--num-threads", type=int, default=None, help="CPU threads per engine process (default: cores / (replicas x tensor-parallel ranks))")
+    v.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json", "mistral"],
+                   help="format of the model's tool calls for tool_choice=auto (default: auto, from the chat template)")
+    v.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think", "deepseek_r1", "qwen3"],
+                   help="split <think>...</think> into reasoning_content (default: auto, on when the chat template "
+                        "handles </think>)")
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     _add_model_args(v)
     v.set_defaults(func=cmd_serve)

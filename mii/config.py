@@ -188,6 +188,15 @@ class MIIConfig(_Config):
     max_request_bytes: int = Field(4 << 20, ge=1024)
     """Largest request body (HTTP) or message (gRPC) accepted, in bytes; larger ones are refused (HTTP 413,
     gRPC RESOURCE_EXHAUSTED)."""
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = "auto"
+    """How the OpenAI API reads tool calls in the model's answers (`tool_choice="auto"`): `hermes` (Hermes, Qwen
+    2.5/3: `<tool_call>{json}</tool_call>`), `llama3_json` (Llama 3.x: `{"name", "parameters"}`), `mistral`
+    (`[TOOL_CALLS][...]`); `auto` picks the one the chat template writes (none if it writes none of them); `none`
+    turns it off (`tool_choice="required"` and named functions, being constrained, work without one)."""
+    reasoning_parser: Literal["auto", "none", "think", "deepseek_r1", "qwen3"] = "auto"
+    """How the OpenAI API splits a reasoning model's thinking (`<think>…</think>`) into `reasoning_content`:
+    `think` (`deepseek_r1` and `qwen3` are other names for it); `auto` turns it on when the chat template handles
+    `</think>`; `none` leaves the thinking in `content`."""
     model_config_: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),

@@ -213,6 +213,11 @@ class ChoiceParser:
         self.reasoning, self.content, self.calls = [], [], []
         self.blank = ""  # trailing whitespace of the content, held while calls may follow (then dropped)
 
+    @property
+    def parses(self) -> bool:
+        """Whether the answer is parsed at all (else all of it is content)."""
+        return self.think is not None or self.tools is not None
+
     def feed(self, text: str, final: bool = False) -> dict:
         if self.think is None:
             events = [("content", text)] if text else []

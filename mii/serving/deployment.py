@@ -35,7 +35,7 @@ from mii.children import child_main, read_error, spawn, wait_or_kill
 from mii.config import DEVICE_MAP_DEFAULT, MIIConfig
 from mii.errors import MIIError, ValidationError
 from mii.parallel.placement import gpu_count, replica_devices
-from mii.serving import records
+from mii.serving import reasoning, records, tool_parsers
 from mii.serving.auth import GRPCKeyCheck, exposure_warnings
 from mii.serving.balancer import BalancerServicer, LoadBalancer, Replica
 from mii.serving.gateway import ServedModel, build_app
@@ -240,6 +240,11 @@ class Deployment:
         stats = await self.lb.stats()
         self.served.max_context = max(s.max_context for s in stats)
         self.served.tokenizer = await asyncio.to_thread(load_served_tokenizer, self.cfg.model_config_)
+        template = getattr(self.served.tokenizer, "chat_template", None)
+        self.served.tool_call_parser = tool_parsers.resolve(self.cfg.tool_call_parser, template)
+        self.served.reasoning_parser = reasoning.resolve(self.cfg.reasoning_parser, template)
+        log.info("deployment %r: tool-call parser %s, reasoning parser %s", self.name,
+                 self.served.tool_call_parser or "none", self.served.reasoning_parser or "none")
         self.served.aliases = {self.name, os.path.basename(self.served.name.rstrip("/"))}
         self.served.ready = True
 

@@ -323,8 +323,10 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
                 data["usage"] = usage
             return data
 
-        head = [chunk_of([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None} for i in range(job.n)])]
+        # content "" would make a client's assembled message say "" where the whole answer has null (tool calls)
+        opening = {"role": "assistant"} if parsers[0].parses else {"role": "assistant", "content": ""}
+        head = [chunk_of([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
+                          for i in range(job.n)])]
 
         def choice_event(i, r, finish):
             delta = parsers[i].feed(r.generated_text, final=finish is not None)
