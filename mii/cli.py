@@ -69,7 +69,7 @@ def cmd_serve(args) -> int:
     kwargs = dict(dtype=args.dtype, device=args.device, replica_num=args.replicas, port_number=args.grpc_port,
                   tensor_parallel=args.tensor_parallel,
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
-                  grpc_host=args.grpc_host, metrics_need_key=args.metrics_need_key,
+                  grpc_host=args.grpc_host, metrics_need_key=args.metrics_need_key, enable_chat_ui=not args.no_ui,
                   max_waiting_requests=args.max_waiting, api_key=_api_key(args), request_timeout=args.request_timeout,
                   drain_timeout=args.drain_timeout)
     if args.deployment_name:
@@ -86,7 +86,8 @@ def cmd_serve(args) -> int:
 
     def announce(line: str) -> None:
         base = f"http://{deployment.connect_host(args.host)}:{args.port}"
-        print(f"{line}\nTry:  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        page = "" if args.no_ui else f"Chat:  open {base}/ in a browser\n"
+        print(f"{line}\n{page}Try:  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"stream\": true}'\n"
               "Stop with Ctrl-C.", flush=True)
 
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read the API key from this file (other users of the host can see --api-key in the "
                           "process list)")
     v.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too")
+    v.add_argument("--no-ui", action="store_true", help="no chat page at / (then / is a 404)")
     v.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
                    help="largest request body (HTTP 413 beyond) or gRPC message accepted (default: 4 MiB)")
     v.add_argument("--max-waiting", type=int, default=None,

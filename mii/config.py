@@ -159,6 +159,9 @@ class MIIConfig(_Config):
     """gRPC port of the deployment's load balancer (MII's service)."""
     enable_restful_api: bool = False
     """Also serve HTTP: MII's REST gateway (`POST /mii/{deployment_name}`) and the OpenAI-compatible API."""
+    enable_chat_ui: bool = True
+    """With `enable_restful_api`: serve a chat page at `GET /` of the HTTP gateway (it talks to the OpenAI API;
+    `mii serve --no-ui` turns it off, and `/` is then a 404)."""
     restful_api_host: str = "localhost"
     """Address the HTTP gateway binds to (loopback unless told otherwise; `0.0.0.0` for every interface)."""
     grpc_host: str = "localhost"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -55,6 +55,10 @@ class EnginePlan:
         """The dtype the linear, LM head and embedding weights are kept in: the model's dtype, or bf16 with fp32
         math (mii::linear_bf16w) on CPUs without native bf16 matmul."""
         return "bfloat16" if self.linear_backend == "kernel" else self.dtype
+
+    def as_dict(self) -> dict:
+        """The plan as JSON (a deployment's `GET /engine_plan`): its fields, the weight dtype, `describe()`'s text."""
+        return {**asdict(self), "weights": self.weight_dtype, "text": self.describe()}
 
     def describe(self) -> str:
         rows = [("device", self.device), ("dtype", self.dtype), ("weights", self.weight_dtype),

@@ -160,7 +160,7 @@ class Deployment:
         if cfg.enable_restful_api:
             sock = http_listener(self.host, cfg.restful_api_port)
             self._http = http_server(build_app(self.lb, self.served, cfg.api_key, cfg.metrics_need_key,
-                                               cfg.max_request_bytes))
+                                               cfg.max_request_bytes, cfg.enable_chat_ui))
             self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         await self._start_replicas()
         await self._load_model_info()
@@ -171,7 +171,8 @@ class Deployment:
         http = ""
         if cfg.enable_restful_api:
             base = f"http://{self.record['host']}:{cfg.restful_api_port}"
-            http = f", HTTP {base} (OpenAI API {base}/v1, REST {base}/mii/{self.name})"
+            chat = f"chat page {base}/, " if cfg.enable_chat_ui else ""
+            http = f", HTTP {base} ({chat}OpenAI API {base}/v1, REST {base}/mii/{self.name})"
         self.announce(f"mii: deployment {self.name!r} ready with {len(self.lb.replicas)} replica(s) of "
                       f"{self.served.name}: gRPC {self.record['host']}:{cfg.port_number}{http}")
 
@@ -226,8 +227,9 @@ class Deployment:
         proc = self.processes[index]
         ready = Path(spec["ready_file"])
         if ready.is_file():
-            port = json.loads(ready.read_text())["port"]
-            return Replica(index, f"127.0.0.1:{port}", proc)
+            info = json.loads(ready.read_text())
+            self.served.plans[index] = info.get("plan")  # a restarted replica's replaces the dead one's
+            return Replica(index, f"127.0.0.1:{info['port']}", proc)
         if proc.poll() is not None:
             error = read_error(spec["error_file"])
             if error is not None:

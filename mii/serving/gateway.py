@@ -1,6 +1,7 @@
 """The HTTP gateway of a deployment (FastAPI, run by uvicorn inside the front process's event loop): MII's REST
 route `POST /mii/{deployment_name}`, the OpenAI-compatible API (`mii.serving.openai_api`), `GET /health`,
-`GET /metrics`, `POST /tokenize`, `POST /detokenize`, and `/openapi.json` describing them all. It calls the load
+`GET /metrics`, `POST /tokenize`, `POST /detokenize`, `GET /engine_plan` (each replica's engine plan), the chat
+page at `GET /` (`mii.serving.ui`, unless `chat_ui=False`), and `/openapi.json` describing them all. It calls the load
 balancer directly; every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
 (`mii.serving.http`), bodies are strict JSON of at most `max_request_bytes`, and with an API key every route but
 /health (and /metrics unless `metrics_need_key`) needs it (`mii.serving.auth`). Generation arguments are not
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response as HTTPResponse
 from mii import errors
 from mii.config import MIIConfig
 from mii.engine.requests import encode_prompt, normalize_prompts
-from mii.serving import openai_api, schemas
+from mii.serving import openai_api, schemas, ui
 from mii.serving.balancer import LoadBalancer
 from mii.serving.http import (APIError, BodyLimit, HTTPKeyCheck, ServedModel, api_error, check_model,
                               check_token_ids, documented, install_error_handlers,
@@ -25,7 +26,8 @@ from mii.serving.http import (APIError, BodyLimit, HTTPKeyCheck, ServedModel, ap
 from mii.serving.protocol import make_request
 
 def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = None, metrics_need_key: bool = False,
-              max_request_bytes: int = MIIConfig.model_fields["max_request_bytes"].default) -> FastAPI:
+              max_request_bytes: int = MIIConfig.model_fields["max_request_bytes"].default,
+              chat_ui: bool = False) -> FastAPI:
     app = FastAPI(title="mii", summary="MII's REST gateway and an OpenAI-compatible API", docs_url="/docs",
                   redoc_url=None)
     app.state.lb, app.state.model = lb, model
@@ -33,7 +35,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     install_openapi(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:  # added last: it runs first, so a request without the key is refused before its body is read
-        app.add_middleware(HTTPKeyCheck, api_key=api_key, open_paths=open_http_paths(metrics_need_key))
+        app.add_middleware(HTTPKeyCheck, api_key=api_key, open_paths=open_http_paths(metrics_need_key, chat_ui))
 
     @app.get("/health", **documented(schemas.Health, responses={503: {"model": schemas.Health}}))
     async def health():
@@ -52,6 +54,13 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     async def metrics():
         body = lb.metrics.render(await lb.stats())
         return HTTPResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/engine_plan", **documented(schemas.EnginePlans))
+    async def engine_plan():
+        """What `mii explain` shows, for each replica of this deployment."""
+        require_ready(model)
+        return {"model": model.name, "deployment": model.deployment_name,
+                "replicas": [{"replica": i, "plan": plan} for i, plan in sorted(model.plans.items()) if plan]}
 
     @app.post("/tokenize", **documented(schemas.TokenizeResponse, schemas.TokenizeRequest))
     async def tokenize(request: Request):
@@ -95,5 +104,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         return [r.to_msg_dict() for r in responses]
 
     openai_api.add_routes(app, lb, model)
+    if chat_ui:
+        ui.add_routes(app)
     return app
 

@@ -39,6 +39,8 @@ class ServedModel:
     "required" or a named function (constrained output) can call tools."""
     reasoning_parser: Optional[str] = None
     """The format of the model's reasoning (`mii.serving.reasoning.PARSERS`); None: none is split off."""
+    plans: dict = field(default_factory=dict)
+    """Each replica's engine plan (index → `EnginePlan.as_dict()`), as its process reported when ready."""
 
     def matches(self, model: Optional[str]) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -222,8 +224,9 @@ class HTTPKeyCheck:
         await self.app(scope, receive, send)
 
 
-def open_http_paths(metrics_need_key: bool) -> frozenset:
-    return frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
+def open_http_paths(metrics_need_key: bool, chat_ui: bool = False) -> frozenset:
+    paths = {"/health"} if metrics_need_key else {"/health", "/metrics"}
+    return frozenset(paths | {"/"} if chat_ui else paths)  # the chat page asks for the key itself
 
 
 def require_ready(model: ServedModel) -> None:

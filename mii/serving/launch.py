@@ -74,7 +74,8 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
     http = ""
     if record.get("http_port"):
         base = f"http://{record['host']}:{record['http_port']}"
-        http = f", HTTP {base} (OpenAI API {base}/v1, REST {base}/mii/{name})"
+        chat = f"chat page {base}/, " if cfg.enable_chat_ui else ""
+        http = f", HTTP {base} ({chat}OpenAI API {base}/v1, REST {base}/mii/{name})"
     print(f"mii: deployment {name!r} ready ({len(record['replicas'])} replica(s)): gRPC "
           f"{record['host']}:{record['port']}{http}; log {log_file}", flush=True)
     return client

@@ -272,7 +272,7 @@ async def serve_replica(spec: dict) -> None:
                               health_pb2.HealthCheckResponse.SERVING)
     log.info("replica %d (pid %d, %d threads) serving on 127.0.0.1:%d", index, os.getpid(),
              torch.get_num_threads(), port)
-    write_json(spec["ready_file"], {"port": port, "pid": os.getpid()})
+    write_json(spec["ready_file"], {"port": port, "pid": os.getpid(), "plan": built.plan.as_dict()})
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, done.set)
     await done.wait()

@@ -186,6 +186,40 @@ class Health(BaseModel):
     configured: Optional[int] = None
 
 
+class EnginePlan(BaseModel):
+    """What the engine of one replica chose and why (`mii explain`; `mii.engine.plan.EnginePlan`)."""
+
+    device: str
+    dtype: str = Field(description="the dtype the engine computes in")
+    weights: str = Field(description="the dtype the linear, LM head and embedding weights are kept in")
+    num_threads: int
+    tensor_parallel: int
+    attention: str = Field(description="kernel or torch")
+    linear_backend: str
+    kv_block_size: int
+    kv_num_blocks: int
+    kv_cache_bytes: int
+    max_batch_tokens: int = Field(description="the token budget of a step")
+    max_batch_seqs: int
+    max_context: int
+    cuda_graphs: str
+    reasons: dict[str, str] = Field(description="why, for the rows chosen automatically (keyed by `text`'s row names)")
+    text: str = Field(description="the plan as `mii explain` prints it")
+
+
+class ReplicaPlan(BaseModel):
+    replica: int
+    plan: EnginePlan
+
+
+class EnginePlans(BaseModel):
+    """`GET /engine_plan`: the engine plan of each replica, as its process reported when it became ready."""
+
+    model: str
+    deployment: str
+    replicas: list[ReplicaPlan]
+
+
 class TokenizeRequest(BaseModel):
     """Text (`prompt`) or chat `messages` (rendered through the model's template) to token ids."""
 

@@ -25,10 +25,10 @@ LIMIT = 64 << 10
 
 @pytest.fixture(scope="module")
 def keyed(tiny_model):
-    """One replica behind an API key, taking requests of at most 64 KiB."""
+    """One replica behind an API key, taking requests of at most 64 KiB, without the chat page."""
     client = mii.serve(tiny_model, deployment_name=unique_name("test-keyed"), port_number=free_port(),
                        enable_restful_api=True, restful_api_port=free_port(), dtype="float32", api_key=KEY,
-                       max_request_bytes=LIMIT, inference_engine_config=KV)
+                       max_request_bytes=LIMIT, inference_engine_config=KV, enable_chat_ui=False)
     yield client
     stop(client)
 
@@ -42,12 +42,18 @@ def test_http_needs_the_key_but_on_health_and_metrics(url, tiny_model):
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert "mii_replica_up" in httpx.get(f"{url}/metrics", timeout=10).text  # Prometheus scrapes without a key
     for method, path in (("GET", "/v1/models"), ("GET", "/openapi.json"), ("POST", "/v1/completions"),
-                         ("POST", "/tokenize"), ("GET", "/no/such/route")):
+                         ("POST", "/tokenize"), ("GET", "/no/such/route"), ("GET", "/engine_plan"), ("GET", "/")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
             r = httpx.request(method, f"{url}{path}", headers=headers, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"] == tiny_model
+    # enable_chat_ui=False (mii serve --no-ui): no page at /, and /openapi.json does not list it
+    r = httpx.get(f"{url}/", headers=auth, timeout=10)
+    assert r.status_code == 404 and r.json()["error"] == {"message": "no route /", "type": "not_found_error",
+                                                          "param": None, "code": None}
+    assert "/" not in httpx.get(f"{url}/openapi.json", headers=auth, timeout=10).json()["paths"]
+    assert build_parser().parse_args(["serve", "--no-ui"]).no_ui
     # the size limit (64 KiB here) is checked once the key is
     r = httpx.post(f"{url}/v1/completions", headers=auth, json={"prompt": "x" * LIMIT}, timeout=10)
     assert r.status_code == 413 and f"larger than {LIMIT} bytes" in r.json()["error"]["message"]
