@@ -381,3 +381,25 @@ def test_real_model_renders_tools_and_splits_reasoning(real, tokenizer):
     assert off.choices[0].message.content and off.choices[0].message.reasoning_content is None
     with_tools = real.chat.completions.create(**{**kw, "tools": TOOLS})
     assert with_tools.usage.prompt_tokens == _prompt_tokens(tokenizer, HI, tools=TOOLS) > thinking.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_constrained_tool_calls_on_a_random_model(real, choice):
+    """Only the constraint can make a random model's answer a call: every sample is one whose arguments validate
+    against its function's schema, and the stream, assembled by the openai client, is the same answer."""
+    kw = dict(model=real.models.list().data[0].id, messages=HI, tools=TOOLS, tool_choice=choice,
+              parallel_tool_calls=False, n=4, seed=11, max_tokens=200)
+    whole = real.chat.completions.create(**kw)
+    with real.chat.completions.stream(**kw) as stream:
+        streamed = stream.get_final_completion()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for r in (whole, streamed):
+        assert len(r.choices) == 4
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            (call,) = c.message.tool_calls
+            assert call.function.name in (["get_weather"] if isinstance(choice, dict) else schemas)
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert [_calls(c.message) for c in sorted(streamed.choices, key=lambda c: c.index)] == \
+        [_calls(c.message) for c in whole.choices]
