@@ -5,9 +5,10 @@ OpenAI's defaults apply here (temperature 1, top_p 1, max_tokens = the rest of t
 OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], penalties in [-2, 2]); the engine's bounds (n, logprobs,
 stop strings, `mii.engine.params.BOUNDS`) are in the schema too, so /openapi.json says what is accepted.
 Fields that OpenAI clients send as extras (vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids`) are honoured. OpenAI fields that change the answer but are not implemented
-(`NOT_SUPPORTED`: response_format, logit_bias, ...) are refused with a 400 rather than ignored; other
-unknown fields are ignored, as vLLM does.
+`min_tokens`, `stop_token_ids`, and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` /
+`structured_outputs`) are honoured. `response_format` and those constrain the output (`structured`: translated to
+the engine's constraints). OpenAI fields that change the answer but are not implemented (`NOT_SUPPORTED`: suffix,
+audio, ...) are refused with a 400 rather than ignored; other unknown fields are ignored, as vLLM does.
 
 A request is translated here (OpenAI's fields → generation keyword arguments; chat messages, tools and
 `chat_template_kwargs` → text through the template; answers → content, `reasoning_content` and `tool_calls`:
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mii import errors
 from mii.engine.params import BOUNDS
 from mii.response import FinishReason, Response
-from mii.serving import chat_tools, schemas
+from mii.serving import chat_tools, schemas, structured
 from mii.serving.balancer import LoadBalancer
 from mii.serving.http import (APIError, ServedModel, api_error, check_model, check_token_ids,
                               documented, internal_error, parse_body, read_json, require_ready,
@@ -42,7 +43,7 @@ _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "log
 
 NOT_SUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
+    "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,),
 }
@@ -57,7 +58,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(structured.StructuredFields):  # + response_format and vLLM's guided_* fields
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: Optional[str] = None
@@ -72,6 +73,9 @@ class _Sampling(BaseModel):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     user: Optional[str] = None
+    logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(
+        ge=-100, le=100)]], Field(max_length=BOUNDS.max_logit_bias)]] = Field(
+        None, description="token id → bias added to its logit before sampling")
     # extras (vLLM's names)
     top_k: Optional[int] = Field(None, ge=-1, le=INT64[1], description="0 or -1: no top-k")
     min_p: Optional[float] = Field(None, ge=0, le=1)
@@ -96,7 +100,9 @@ class _Sampling(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             top_k=None if not self.top_k or self.top_k < 0 else self.top_k, min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            ignore_eos=self.ignore_eos, min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
+            ignore_eos=self.ignore_eos, min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            logit_bias=self.logit_bias or None)
+        kw.update(self.constraint()[0])
         max_tokens = self.max_new_tokens()
         if max_tokens is None:
             kw["max_length"] = max_context  # OpenAI: the rest of the context
@@ -146,7 +152,8 @@ class OpenAICall:
     def __init__(self, model: ServedModel, req: _Sampling, prompts: list, echo: list[str], chat: bool = False,
                  extra_kwargs: Optional[dict] = None):
         self.model, self.req, self.n = model, req, req.n
-        kwargs = {**req.engine_kwargs(model.max_context), **(extra_kwargs or {})}
+        kwargs = structured.merge(req.engine_kwargs(model.max_context), extra_kwargs or {})
+        self.renames = {**_RENAMES, **req.constraint()[1]}  # engine fields → the ones this request used
         if isinstance(req, ChatRequest):
             lp = (req.top_logprobs or 0) if req.logprobs else None
         else:
@@ -158,7 +165,7 @@ class OpenAICall:
         try:
             self.grpc_request = make_request(prompts, kwargs, chat=chat)
         except errors.MIIError as e:
-            raise api_error(e, _RENAMES) from None
+            raise api_error(e, self.renames) from None
         self.echo = echo
         self.num_prompts = len(prompts)
         self.id = ("chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-") + uuid.uuid4().hex[:24]
@@ -214,7 +221,7 @@ async def _generate(request: Request, lb: LoadBalancer, job: OpenAICall) -> list
     try:
         return await until_disconnect(request, lb.generate(job.grpc_request))
     except errors.MIIError as e:
-        raise api_error(e, _RENAMES) from None
+        raise api_error(e, job.renames) from None
 
 
 async def _first_chunk(lb: LoadBalancer, job: OpenAICall):
@@ -225,7 +232,7 @@ async def _first_chunk(lb: LoadBalancer, job: OpenAICall):
         first = await _next(stream)
     except errors.MIIError as e:
         await stream.aclose()
-        raise api_error(e, _RENAMES) from None
+        raise api_error(e, job.renames) from None
     return stream, first
 
 
