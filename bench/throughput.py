@@ -7,10 +7,12 @@ the kernels' gain is a same-run ratio. Ratios are the result: absolute numbers d
 its load.
 
     .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--requests 64]
+                                         [--json results.json] [--plot w64.png]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -121,6 +123,9 @@ def main():
     ap.add_argument("--dtype", default="auto", help="auto (the engine plan's choice), bfloat16 or float32")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for every system (default: all cores); 1 keeps ratios stable on a busy machine")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also draw W64 against the floor and the peers, and decode against its floor (bench.plots)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -178,6 +183,23 @@ def main():
     print(f"  pp512                     {r['pp512']:7.0f} tok/s")
     if cold is not None:
         print(f"  start-up                  cold {cold:.1f} s (empty cache: GGUF conversion, kernel build), warm {warm:.1f} s")
+
+    labels = {"mii": "mii", "torch": "mii, torch backends", "dtype": f"mii, dtype={args.compare_dtype}"}
+    systems = {labels[k]: v for k, v in results.items()}
+    if hf:
+        systems["transformers"] = {"w64": hf}
+    report = {"workload": {"requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out},
+              "threads": threads, "plan": {"dtype": plan.dtype, "weights": plan.weight_dtype,
+                                           "attention": plan.attention, "linears": plan.linear_backend},
+              "floors": {"w64_s": floor, "decode_tok_s": bw_floor}, "systems": systems,
+              "startup_s": {"cold": cold, "warm": warm}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        from bench.plots import plot_throughput
+
+        plot_throughput(report, args.plot)
 
 
 if __name__ == "__main__":
