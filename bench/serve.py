@@ -435,10 +435,21 @@ def parse_args(argv=None):
     ap.add_argument("--sla-share", type=float, default=0.99, help="share of requests that must meet the SLA")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the report and every request's timings here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also draw TTFT and TPOT (p50, p99) against the rate (bench.plots), one line per system")
+    ap.add_argument("--plot-with", action="append", default=[], metavar="LABEL=PATH",
+                    help="with --plot: another system's --json report on the same picture (repeatable)")
+    ap.add_argument("--label", default=None, help="this run's name on the plot (default: mii with --spawn-mii, "
+                                                   "else the model)")
     args = ap.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     if (args.sla_prefill is None) != (args.sla_decode is None):
         ap.error("--sla-prefill and --sla-decode go together (or neither, to probe the server)")
+    if args.plot_with and not args.plot:
+        ap.error("--plot-with goes with --plot")
+    for spec in args.plot_with:  # before the sweep, not after it
+        if not Path(spec.rpartition("=")[2]).is_file():
+            ap.error(f"--plot-with {spec}: no such file")
     return args
 
 
@@ -448,10 +459,17 @@ def main(argv=None) -> dict:
     if args.spawn_mii is not None:
         spawned = SpawnedMii(args.spawn_mii or None, shlex.split(args.serve_args), args.spawn_timeout)
     try:
-        return asyncio.run(bench(args, spawned.base_url if spawned else args.base_url))
+        report = asyncio.run(bench(args, spawned.base_url if spawned else args.base_url))
     finally:
         if spawned:
             spawned.stop()
+    if args.plot:
+        from bench.plots import load_labelled, plot_serving
+
+        label = args.label or ("mii" if spawned else report["model"])
+        plot_serving({label: report, **load_labelled(args.plot_with)}, args.plot)
+        print(f"plot: {args.plot}")
+    return report
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ import json
 import os
 import re
 
-from bench.serve import SLA, Result, arrivals, effective_throughput, main
+import pytest
+
+from bench.serve import SLA, Result, arrivals, effective_throughput, main, parse_args
 from bench.workloads import w64
+from tests.bench.test_plots import PEER
 from tests.serving.conftest import tiny_model  # noqa: F401  (the session fixture)
 
 
@@ -18,9 +21,10 @@ def alive(pid: int) -> bool:
 
 
 def test_sweep_against_spawned_mii(tiny_model, tmp_path, capsys):  # noqa: F811
-    out = tmp_path / "report.json"
+    out, picture, peer = tmp_path / "report.json", tmp_path / "serve.png", tmp_path / "peer.json"
+    peer.write_text(json.dumps(PEER))
     report = main(["--spawn-mii", tiny_model, "--serve-args=--dtype float32 --num-threads 1", "--requests", "3",
-                   "--rates", "4,inf", "--json", str(out)])
+                   "--rates", "4,inf", "--json", str(out), "--plot", str(picture), "--plot-with", f"peer={peer}"])
     printed = capsys.readouterr().out
     prompts, outputs = w64(3)
 
@@ -40,6 +44,7 @@ def test_sweep_against_spawned_mii(tiny_model, tmp_path, capsys):  # noqa: F811
         assert row["request_throughput"] > 0 and 0 <= row["sla_met"] <= 1
     assert set(report["effective_throughput"]) == {"share", "rate", "request_throughput"}
     assert "effective throughput:" in printed
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {picture}" in printed
 
     per_request = json.loads(out.read_text())["per_request"]
     assert [[r["completion_tokens"] for r in rate] for rate in per_request] == [outputs, outputs]
@@ -82,3 +87,11 @@ def test_arrivals_and_effective_throughput():
             "request_throughput": 1.8}, {"rate": 4.0, "sla_met": 0.5, "request_throughput": 2.1}]
     assert effective_throughput(rows, 0.99)["rate"] == 2.0
     assert effective_throughput(rows[2:], 0.99)["rate"] is None
+
+
+def test_plot_options_are_checked_before_the_sweep(tmp_path, capsys):
+    for argv, message in ((["--plot-with", f"x={tmp_path / 'missing.json'}", "--plot", "p.png"], "no such file"),
+                          (["--plot-with", f"x={tmp_path / 'missing.json'}"], "--plot-with goes with --plot")):
+        with pytest.raises(SystemExit):
+            parse_args(["--base-url", "http://127.0.0.1:1", *argv])
+        assert message in capsys.readouterr().err
