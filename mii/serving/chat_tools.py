@@ -72,16 +72,16 @@ def check_template_kwargs(kwargs: Optional[dict]) -> dict:
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages as Hugging Face templates take them: an assistant's `tool_calls[].function.arguments`
-    (a JSON string in OpenAI's API) as an object."""
+    (a JSON string in OpenAI's API) as an object. (Other roles' fields go to the template as they are.)"""
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls")
-        if calls is None:
+        if calls is None or m.get("role") != "assistant":
             out.append(m)
             continue
         where = f"messages[{i}].tool_calls"
-        if m.get("role") != "assistant" or not isinstance(calls, list):
-            raise APIError(400, f"{where}: only an assistant message has tool_calls (a list)", param=where)
+        if not isinstance(calls, list):
+            raise APIError(400, f"{where}: must be a list of calls", param=where)
         fixed = []
         for j, call in enumerate(calls):
             fn = call.get("function") if isinstance(call, dict) else None

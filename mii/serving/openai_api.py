@@ -130,7 +130,7 @@ class ChatRequest(_Sampling):
     tools: Optional[Annotated[list[chat_tools.Tool], Field(max_length=128)]] = None
     tool_choice: Optional[chat_tools.ToolChoice] = Field(None, description='default: "auto" with tools, else "none"')
     parallel_tool_calls: Optional[bool] = Field(None, description="default true; false: at most one call")
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+    chat_template_kwargs: Optional[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Any]] = Field(
         None, description="variables for the chat template, e.g. {\"enable_thinking\": false}")
 
     def max_new_tokens(self) -> Optional[int]:

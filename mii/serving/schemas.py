@@ -5,7 +5,7 @@ translation in `openai_api.py`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -37,6 +37,17 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """A chat message; its content is text: a string, or text parts (joined). Other kinds of parts (images,
     audio) are not supported: the gateway refuses them naming the part. An assistant message may carry the
@@ -46,8 +57,9 @@ class ChatMessage(BaseModel):
     role: str
     content: Annotated[Optional[Union[str, list[dict]]], WithJsonSchema(
         {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]})] = None
-    tool_calls: Optional[list[dict[str, Any]]] = Field(
-        None, description="an assistant's calls: {id, type: function, function: {name, arguments (JSON text)}}")
+    tool_calls: Optional[list[ToolCall]] = Field(
+        None, description="an assistant's calls (arguments: a JSON object as text); on other roles, left to the "
+                          "template")
     tool_call_id: Optional[str] = Field(None, description="a tool message: the call it answers")
 
 
@@ -98,17 +110,6 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str = Field(description="a JSON object, as text")
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
 
 
 class ChatMessageOut(BaseModel):
