@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mii.engine.constraints import KINDS
 from mii.serving import reasoning, tool_parsers
 from mii.serving.http import APIError, render_chat
 
@@ -284,11 +285,6 @@ class ChoiceParser:
         return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason
 
 
-CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
-"""Generation arguments that constrain the output (`mii.engine.constraints.KINDS`): with one, the answer is the
-constrained text, and no reasoning is split off it."""
-
-
 class ChatSetup:
     """A chat request's rendering (tools and template variables in the template) and the parsing of its answers."""
 
@@ -309,7 +305,8 @@ class ChatSetup:
         return {} if schema is None else {"json_schema": schema}
 
     def parser(self, engine_kwargs: dict) -> ChoiceParser:
-        constrained = any(k in engine_kwargs for k in CONSTRAINT_KEYS)
+        # a constrained answer (tools' or response_format's) is that text from its first token: no thinking in it
+        constrained = any(k in engine_kwargs for k in KINDS)
         return ChoiceParser(self.tools if self.tools.active else None, self.reasoning_on and not constrained,
                             self.in_think)
 

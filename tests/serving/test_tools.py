@@ -284,16 +284,21 @@ def test_reasoning_split_whole_and_streamed(scripted, fake):
 
 
 def test_tool_results_go_back_through_the_template(scripted, fake):
+    """The README's round trip: the answer's message itself (as the openai client returns it) and the tool's result
+    go back, and the template renders both."""
+    scripted.answers = ['<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 1, '
+                        '"metric": true}}</tool_call>']
+    messages = list(HI)
+    r = fake.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+    messages.append(r.choices[0].message)
+    messages.append({"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id,
+                     "content": '{"celsius": 21}'})
     scripted.answers = ["It is 21 degrees."]
-    messages = HI + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "days": 1, "metric": true}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'}]
     r = fake.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
     assert r.choices[0].message.content == "It is 21 degrees."
     prompt = scripted.requests[-1][0][0]
     assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1, "metric": true}}\n'
-            '</tool_call>') in prompt  # arguments given as JSON text reach the template as an object
+            '</tool_call>') in prompt  # arguments sent as JSON text reach the template as an object
     assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in prompt
 
 
