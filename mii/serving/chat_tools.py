@@ -14,43 +14,15 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any, Literal, Optional, Union
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Optional
 
 from mii.engine.constraints import KINDS
 from mii.serving import reasoning, tool_parsers
 from mii.serving.http import APIError, render_chat
+from mii.serving.schemas import NamedToolChoice, Tool, ToolChoice
 
-_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+__all__ = ["ChatSetup", "ChoiceParser", "NamedToolChoice", "Tool", "ToolChoice", "ToolPlan", "parse_choice", "render"]
 
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=_NAME, description="letters, digits, _ . -; at most 64")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON Schema of type object")
-    strict: Optional[bool] = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class _FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: _FunctionName
-
-
-ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 def _reserved_template_args() -> frozenset:
     """Names that `apply_chat_template` takes itself (its parameters) or gives the template: not for requests."""
@@ -103,6 +75,15 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def render(model, messages: list, add_generation_prompt: bool, tools: Optional[list[Tool]] = None,
+           template_kwargs: Optional[dict] = None) -> str:
+    """Chat messages (`schemas.ChatMessage`s) as the model's template writes them, with these tools and template
+    variables (chat completions and /tokenize)."""
+    return render_chat(model, template_messages([m.model_dump(exclude_none=True) for m in messages]),
+                       add_generation_prompt, [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                       check_template_kwargs(template_kwargs))
+
+
 def template_text(chat_template) -> str:
     if isinstance(chat_template, dict):
         return " ".join(str(t) for t in chat_template.values())
@@ -148,12 +129,6 @@ class ToolPlan:
     @property
     def constrained(self) -> bool:
         return self.choice in ("required", "named")
-
-    def template_tools(self) -> Optional[list[dict]]:
-        """The tools for the template (None with "none": the model is not told of them)."""
-        if not self.active:
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def json_schema(self) -> Optional[dict]:
         """The constraint on the output: a named function's arguments, or an array of calls for "required"."""
@@ -292,10 +267,8 @@ class ChatSetup:
         tok = model.tokenizer
         self.tools = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, model.tool_call_parser,
                               getattr(tok, "chat_template", None))
-        template_kwargs = check_template_kwargs(req.chat_template_kwargs)
-        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        self.prompt = render_chat(model, messages, req.add_generation_prompt, self.tools.template_tools(),
-                                  template_kwargs)
+        self.prompt = render(model, req.messages, req.add_generation_prompt,
+                             self.tools.tools if self.tools.active else None, req.chat_template_kwargs)
         self.reasoning_on = model.reasoning_parser is not None
         self.in_think = reasoning.starts_thinking(self.prompt)
 

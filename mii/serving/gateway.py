@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse, Response as HTTPResponse
 from mii import errors
 from mii.config import MIIConfig
 from mii.engine.requests import encode_prompt, normalize_prompts
-from mii.serving import openai_api, schemas, ui
+from mii.serving import chat_tools, openai_api, schemas, ui
 from mii.serving.balancer import LoadBalancer
 from mii.serving.http import (APIError, BodyLimit, HTTPKeyCheck, ServedModel, api_error, check_model,
                               check_token_ids, documented, install_error_handlers,
-                              install_openapi, open_http_paths, parse_body, read_json, render_chat, require_ready,
+                              install_openapi, open_http_paths, parse_body, read_json, require_ready,
                               until_disconnect)
 from mii.serving.protocol import make_request
 
@@ -68,8 +68,8 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         require_ready(model)
         check_model(model, body.model)
         if body.messages is not None:
-            text = render_chat(model, [m.model_dump(exclude_none=True) for m in body.messages],
-                               body.add_generation_prompt)
+            text = chat_tools.render(model, body.messages, body.add_generation_prompt, body.tools,
+                                     body.chat_template_kwargs)
             ids = encode_prompt(model.tokenizer, text, add_special_tokens=False)
         elif body.prompt is not None:
             ids = encode_prompt(model.tokenizer, body.prompt, body.add_special_tokens)

@@ -5,7 +5,7 @@ translation in `openai_api.py`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -46,6 +46,38 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"]
     function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$", description="letters, digits, _ . -; at most 64")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON Schema of type object")
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    """A function the model may call (OpenAI's `tools` item), rendered by the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+TemplateKwargs = dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Any]
+"""`chat_template_kwargs`: variables for the chat template (e.g. `enable_thinking`)."""
 
 
 class ChatMessage(BaseModel):
@@ -230,6 +262,9 @@ class TokenizeRequest(BaseModel):
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = Field(
+        None, description="with messages: rendered by the template, as chat completions render them")
+    chat_template_kwargs: Optional[TemplateKwargs] = Field(None, description="with messages: template variables")
 
 
 class TokenizeResponse(BaseModel):

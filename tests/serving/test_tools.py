@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Optional
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -369,7 +370,7 @@ def _prompt_tokens(tokenizer, messages, **kw) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_real_model_renders_tools_and_splits_reasoning(real, tokenizer):
+def test_real_model_renders_tools_and_splits_reasoning(real, qwen_server, tokenizer):
     """Tools and chat_template_kwargs reach the model's template (the prompt's length is the local rendering's), and
     a random model's answer, begun inside the prompt's open <think>, is all reasoning, streamed or not."""
     kw = dict(model=real.models.list().data[0].id, messages=HI, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
@@ -386,6 +387,13 @@ def test_real_model_renders_tools_and_splits_reasoning(real, tokenizer):
     assert off.choices[0].message.content and off.choices[0].message.reasoning_content is None
     with_tools = real.chat.completions.create(**{**kw, "tools": TOOLS})
     assert with_tools.usage.prompt_tokens == _prompt_tokens(tokenizer, HI, tools=TOOLS) > thinking.usage.prompt_tokens
+    # /tokenize renders the same way
+    r = httpx.post(f"http://127.0.0.1:{qwen_server.record['http_port']}/tokenize", timeout=30, json={
+        "messages": HI, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}})
+    text = tokenizer.apply_chat_template(HI, tools=TOOLS, enable_thinking=False, tokenize=False,
+                                         add_generation_prompt=True)
+    assert r.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert '"description": "The time in a time zone"' in tokenizer.decode(r.json()["tokens"])
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
