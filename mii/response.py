@@ -28,6 +28,9 @@ class Response:
     token_ids: Optional[list[int]] = field(default=None, compare=False)
     logprobs: Optional[list[dict]] = field(default=None, compare=False)
     """Per generated token: {"token_id", "logprob", "top_logprobs": {token id: logprob}}."""
+    prompt_logprobs: Optional[list] = field(default=None, compare=False)
+    """With prompt_logprobs=k: per prompt token, the same dicts as `logprobs` (the prompt token's logprob given the
+    tokens before it, and the k most likely there); the first token's logprob is None (nothing precedes it)."""
 
     def __str__(self) -> str:
         return self.generated_text
@@ -35,4 +38,4 @@ class Response:
     def to_msg_dict(self) -> dict:
         return {"generated_text": self.generated_text, "prompt_length": self.prompt_length,
                 "generated_length": self.generated_length, "finish_reason": str(self.finish_reason),
-                "token_ids": self.token_ids, "logprobs": self.logprobs}
+                "token_ids": self.token_ids, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}

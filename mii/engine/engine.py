@@ -51,6 +51,9 @@ class RequestOutput:
     """Per new token: (token id, logprob, {top id: logprob}) when the request asked for logprobs."""
     error: Optional[EngineStepError] = None
     """Set when the request failed inside a step: it is finished and gone from the engine (finish_reason NONE)."""
+    prompt_logprobs: Optional[list] = None
+    """On a request's first output, with params.prompt_logprobs: (token id, logprob, {top id: logprob}) per prompt
+    token; the first has logprob None (nothing precedes it)."""
 
 
 @dataclass
@@ -127,6 +130,8 @@ class Engine:
             seq = Sequence(uid, list(r.prompt_ids), r.max_total, r.params, seed)
             if r.grammar is not None:
                 seq.constraint = r.grammar.matcher()
+            if r.params.prompt_logprobs is not None:
+                seq.prompt_logprobs = []
             self.requests[uid] = _Request(seq, Detokenizer(self.tokenizer, seq.prompt_ids, r.params.stop))
             self.scheduler.add(seq)
             uids.append(uid)
@@ -210,6 +215,8 @@ class Engine:
     def _advance(self, batch: ScheduledBatch, out) -> list[RequestOutput]:
         """Apply one forward's sampled tokens: stops, detokenized text, logprobs; finished sequences leave."""
         self.scheduler.update(batch, out.tokens_by_uid())
+        for uid, entries in out.prompt_logprobs.items():
+            self.requests[uid].seq.prompt_logprobs.extend(entries)
         results = []
         s = out.sampled
         for row, uid in enumerate(out.uids):
@@ -239,7 +246,11 @@ class Engine:
                 if p.logprobs > 0:
                     top = dict(zip(s.top_ids[row][: p.logprobs], s.top_logprobs[row][: p.logprobs]))
                 lp = [(token, s.logprobs[row], top)]
-            results.append(RequestOutput(uid, text, [token], final, reason, seq.num_prompt, n, lp))
+            prompt_lp = None
+            if seq.prompt_logprobs is not None and n == 1:  # the first prompt token has no logprob
+                prompt_lp = [(seq.prompt_ids[0], None, {})] + seq.prompt_logprobs
+            results.append(RequestOutput(uid, text, [token], final, reason, seq.num_prompt, n, lp,
+                                         prompt_logprobs=prompt_lp))
             if final:
                 self._finish(seq)
                 del self.requests[uid]

@@ -10,7 +10,7 @@ forward, logits). Rank 0 builds the metadata, sends it to the other ranks, and a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -28,6 +28,8 @@ class StepOutput:
 
     uids: list[int]
     sampled: SamplerOutput
+    prompt_logprobs: dict = field(default_factory=dict)
+    """uid → [(prompt token id, logprob, {top id: logprob})] for the prompt positions this step computed."""
 
     def tokens_by_uid(self) -> dict[int, int]:
         return dict(zip(self.uids, self.sampled.tokens))
@@ -69,6 +71,8 @@ class StepMeta:
     seq_lens: np.ndarray     # [S] int32: keys per sequence once this step's tokens are written
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
     num_decode: int          # leading sequences with one query token
+    prompt_index: Optional[np.ndarray] = None  # [P] int64: flat index of each prompt token whose next-token
+    # logprob a request asked for (prompt_logprobs); their logits follow the sampled rows' in `execute`
 
 
 class ModelRunner:
@@ -136,9 +140,16 @@ class ModelRunner:
                 groups.append(GroupMeta(lengths[a:b], starts[a:b], offsets[a:b],
                                         tables[a:b, : int(-(-seq_lens[a:b].max() // bs))]))
         rows = np.fromiter((i for i, c in enumerate(chunks) if c.samples), np.int64)
-        return StepMeta(np.asarray(ids, dtype=np.int64), positions, slots, groups,
+        meta = StepMeta(np.asarray(ids, dtype=np.int64), positions, slots, groups,
                         query_start[rows + 1] - 1, rows, query_start.astype(np.int32), seq_lens.astype(np.int32),
                         tables.astype(np.int32), n_decode)
+        # prompt logprobs: position j's logits score prompt token j + 1; positions already scored are skipped (a
+        # recomputed prompt after preemption)
+        spans = _prompt_spans(batch)
+        if spans:
+            meta.prompt_index = np.concatenate([np.arange(offsets[i] + a - chunks[i].start,
+                                                          offsets[i] + b - chunks[i].start) for i, a, b in spans])
+        return meta
 
     def _group(self, g: GroupMeta) -> AttentionGroup:
         bs = self.block_size
@@ -172,13 +183,16 @@ class ModelRunner:
 
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
         """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none)."""
-        if self.graphs is not None and (logits := self.graphs.run(meta)) is not None:
+        scoring = meta.prompt_index is not None and len(meta.prompt_index)
+        if not scoring and self.graphs is not None and (logits := self.graphs.run(meta)) is not None:
             return logits
         input_ids, positions, ctx, logit_index = self._inputs(meta)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        if not len(meta.logit_index):
+        if scoring:  # the prompt positions to score follow the sampled rows: [R + P, V]
+            logit_index = torch.cat([logit_index, torch.from_numpy(meta.prompt_index).to(self.device)])
+        if not len(logit_index):
             return None
-        return self.model.compute_logits(hidden[logit_index])  # [R, V]
+        return self.model.compute_logits(hidden[logit_index])  # [R, V] (or [R + P, V])
 
     def _forward(self, meta: StepMeta) -> Optional[torch.Tensor]:
         if self.tp_group is None:
@@ -267,11 +281,47 @@ class ModelRunner:
         logits = self._forward(meta)
         if logits is None:
             return StepOutput([], SamplerOutput([]))
+        R = len(meta.sample_rows)
+        scored = _prompt_logprobs(logits[R:], batch) if meta.prompt_index is not None else {}
         seqs = [batch.chunks[i].seq for i in meta.sample_rows]
-        return StepOutput([s.uid for s in seqs], sample(logits, self._sampling_batch(seqs)))
+        sampled = sample(logits[:R], self._sampling_batch(seqs)) if R else SamplerOutput([])
+        return StepOutput([s.uid for s in seqs], sampled, scored)
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of the sampled rows (for tests and scoring), without sampling."""
         logits = self._forward(self.prepare(batch))
         return logits.float() if logits is not None else torch.empty(0, self.vocab_size)
+
+
+def _prompt_spans(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
+    """(chunk row, first, last): the prompt positions first..last - 1 of each chunk whose request wants prompt
+    logprobs and that are not scored yet (position j's logits score prompt token j + 1)."""
+    spans = []
+    for i, c in enumerate(batch.chunks):
+        if c.seq.prompt_logprobs is not None:
+            first = max(c.start, len(c.seq.prompt_logprobs))
+            last = min(c.start + c.length, c.seq.num_prompt - 1)
+            if last > first:
+                spans.append((i, first, last))
+    return spans
+
+
+def _prompt_logprobs(logits: torch.Tensor, batch: ScheduledBatch) -> dict:
+    """uid → [(prompt token, logprob, {top id: logprob})] from the logits [P, V] of `_prompt_spans(batch)`."""
+    spans = [(batch.chunks[i].seq, a, b) for i, a, b in _prompt_spans(batch)]
+    targets = torch.tensor([t for seq, a, b in spans for t in seq.prompt_ids[a + 1: b + 1]], dtype=torch.long,
+                           device=logits.device)
+    lp = logits.float().log_softmax(dim=-1)                                     # [P, V]
+    chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()             # [P]
+    k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [P, k]
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out, row = {}, 0
+    for seq, a, b in spans:
+        kk = seq.params.prompt_logprobs
+        out[seq.uid] = [(seq.prompt_ids[j + 1], chosen[row + j - a], dict(zip(top_ids[row + j - a][:kk],
+                                                                               top_lp[row + j - a][:kk])))
+                        for j in range(a, b)]
+        row += b - a
+    return out

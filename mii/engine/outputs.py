@@ -27,6 +27,7 @@ class ResponseJoiner:
         self._tokens: list[list[int]] = []
         self._logprobs: list[Optional[list[dict]]] = []
         self._last: list[Optional[Response]] = []
+        self._prompt_logprobs: list[Optional[list]] = []
         self._grow(n)
 
     def _grow(self, n: int) -> None:
@@ -35,6 +36,7 @@ class ResponseJoiner:
             self._tokens.append([])
             self._logprobs.append(None)
             self._last.append(None)
+            self._prompt_logprobs.append(None)
 
     def add(self, chunk: list[Response]) -> None:
         self._grow(len(chunk))
@@ -49,10 +51,13 @@ class ResponseJoiner:
                 self._logprobs[i] = []
             self._logprobs[i].extend(r.logprobs)
         self._last[i] = r
+        if r.prompt_logprobs is not None:
+            self._prompt_logprobs[i] = r.prompt_logprobs
 
     def responses(self) -> list[Response]:
-        return [Response("".join(text), r.prompt_length, r.generated_length, r.finish_reason, tokens, lps)
-                for text, tokens, lps, r in zip(self._texts, self._tokens, self._logprobs, self._last)]
+        return [Response("".join(text), r.prompt_length, r.generated_length, r.finish_reason, tokens, lps, plp)
+                for text, tokens, lps, r, plp in zip(self._texts, self._tokens, self._logprobs, self._last,
+                                                     self._prompt_logprobs)]
 
 
 class OutputProcessor:
@@ -92,6 +97,8 @@ class OutputProcessor:
                 text, self._started[i] = req.prefix + text, True
             lp = logprob_entries(o.logprobs) if req.params.logprobs is not None else None
             piece = Response(text, o.prompt_length, o.generated_length, o.finish_reason, list(o.token_ids), lp)
+            if o.prompt_logprobs is not None:
+                piece.prompt_logprobs = logprob_entries(o.prompt_logprobs)
             self.joined.add_piece(i, piece)
             news[i] = self._latest[i] = piece
             if o.finished:

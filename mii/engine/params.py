@@ -1,5 +1,5 @@
 """Generation parameters of one request: MII's, plus ours (seed, penalties, min_p, stop ids, logprobs, n,
-logit_bias, and the output constraints of `mii.engine.constraints`).
+prompt_logprobs, logit_bias, and the output constraints of `mii.engine.constraints`).
 
 `GenerationParams.from_kwargs` is the single place where user values are checked; the engine trusts the result.
 """
@@ -61,6 +61,9 @@ class GenerationParams:
     logprobs: Optional[int] = None
     """Number of top log-probabilities to return per generated token (0: only the chosen token's)."""
     n: int = 1
+    prompt_logprobs: Optional[int] = None
+    """Top log-probabilities to return per prompt token (0: only the prompt token's own); the first prompt token
+    has none (None in its place). What scoring needs (OpenAI's echo with logprobs, lm-eval)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before sampling; given as a dict {token id: bias in [-100, 100]}
     (OpenAI's logit_bias; ids may be strings of digits, as JSON keys are)."""
@@ -119,6 +122,7 @@ class GenerationParams:
         _int_field("top_k", self.top_k, low=0, high=INT64_MAX, optional=True)
         _int_field("logprobs", self.logprobs, low=0, high=BOUNDS.max_logprobs, optional=True)
         _int_field("n", self.n, low=1, high=BOUNDS.max_n)
+        _int_field("prompt_logprobs", self.prompt_logprobs, low=0, high=BOUNDS.max_logprobs, optional=True)
         check_constraint_fields(self, BOUNDS.max_constraint_chars)
         # sample j of n draws with seed + j, an int64 in the sampler
         _int_field("seed", self.seed, low=0, high=INT64_MAX - (self.n - 1), optional=True,

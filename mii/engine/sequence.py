@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from mii.engine.params import GenerationParams
 
@@ -30,6 +30,9 @@ class Sequence:
     num_preemptions: int = 0
     constraint: Any = None
     """The `mii.engine.constraints.Matcher` of a constrained request (it outlives preemption), else None."""
+    prompt_logprobs: Optional[list] = None
+    """With params.prompt_logprobs: (token id, logprob, {top id: logprob}) of prompt tokens 1.. as they are
+    computed (a preempted sequence recomputes its prompt; only the entries not yet here are added)."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

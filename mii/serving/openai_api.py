@@ -116,6 +116,8 @@ class _Sampling(structured.StructuredFields):  # + response_format and vLLM's gu
 
 class CompletionRequest(_Sampling):
     prompt: schemas.Prompts
+    max_tokens: Optional[int] = Field(None, ge=0, le=INT64[1],
+                                      description="0 only with echo: the prompt alone (scored with logprobs)")
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=BOUNDS.max_logprobs)
     best_of: Optional[int] = Field(None, ge=1, le=INT64[1], description="must equal n")
@@ -130,7 +132,7 @@ class ChatRequest(_Sampling):
     tools: Optional[Annotated[list[chat_tools.Tool], Field(max_length=128)]] = None
     tool_choice: Optional[chat_tools.ToolChoice] = Field(None, description='default: "auto" with tools, else "none"')
     parallel_tool_calls: Optional[bool] = Field(None, description="default true; false: at most one call")
-    chat_template_kwargs: Optional[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Any]] = Field(
+    chat_template_kwargs: Optional[schemas.TemplateKwargs] = Field(
         None, description="variables for the chat template, e.g. {\"enable_thinking\": false}")
 
     def max_new_tokens(self) -> Optional[int]:
@@ -161,6 +163,14 @@ class OpenAICall:
         if lp is not None:
             kwargs["logprobs"] = lp
         self.want_logprobs = lp is not None
+        self.score_only = isinstance(req, CompletionRequest) and req.max_tokens == 0
+        """echo with max_tokens=0 (lm-eval's scoring): one token is generated and dropped, as vLLM does"""
+        if self.score_only:
+            kwargs.pop("max_length", None)
+            kwargs["max_new_tokens"] = 1
+        self.echo_logprobs = isinstance(req, CompletionRequest) and req.echo and lp is not None
+        if self.echo_logprobs:  # the echoed prompt's tokens come with their logprobs too
+            kwargs["prompt_logprobs"] = lp
         self.kwargs = kwargs
         try:
             self.grpc_request = make_request(prompts, kwargs, chat=chat)
@@ -173,15 +183,30 @@ class OpenAICall:
 
     def usage(self, responses: list[Response]) -> dict:
         prompt = sum(r.prompt_length for i, r in enumerate(responses) if i % self.n == 0)
-        return _usage(prompt, sum(r.generated_length for r in responses))
+        return _usage(prompt, 0 if self.score_only else sum(r.generated_length for r in responses))
 
     def token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])
 
 
-def _completion_logprobs(job: OpenAICall, r: Response, offset: int) -> dict:
+def _completion_piece(job: OpenAICall, i: int, r: Response, offset: int, first: bool) -> tuple[str, Optional[dict]]:
+    """A completion choice's text and logprobs from one piece of its sequence (`offset`: characters of the choice
+    before it): with echo, the prompt (and its tokens' logprobs) before the first piece; with max_tokens=0, only
+    that."""
+    prefix = job.echo[i // job.n] if first else ""
+    text = prefix + ("" if job.score_only else r.generated_text)
+    if not job.want_logprobs:
+        return text, None
+    lp = _completion_logprobs(job, [] if job.score_only else r.logprobs, offset + len(prefix))
+    if first and job.echo_logprobs:
+        prompt = _completion_logprobs(job, r.prompt_logprobs or [], offset)
+        lp = {k: prompt[k] + lp[k] for k in lp}
+    return text, lp
+
+
+def _completion_logprobs(job: OpenAICall, entries: list[dict], offset: int) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
-    for x in r.logprobs:
+    for x in entries:
         text = job.token_text(x["token_id"])
         tokens.append(text)
         lps.append(x["logprob"])
@@ -255,6 +280,9 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
             prompts = [prompts]
         if not prompts:
             raise APIError(400, "prompt: must not be empty", param="prompt")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: 0 is allowed only with echo=true (the prompt alone, scored with "
+                                "logprobs)", param="max_tokens")
         if req.echo:  # echoed token ids are decoded here, before the engine sees them: check them first
             for p in prompts:
                 check_token_ids(model, p, "prompt")
@@ -265,23 +293,26 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
         responses = await _generate(request, lb, job)
         choices = []
         for i, r in enumerate(responses):
-            prefix = job.echo[i // job.n]
-            choices.append({"index": i, "text": prefix + r.generated_text, "finish_reason": _finish(r.finish_reason),
-                            "logprobs": _completion_logprobs(job, r, len(prefix)) if job.want_logprobs else None})
+            text, lp = _completion_piece(job, i, r, 0, first=True)
+            choices.append({"index": i, "text": text, "finish_reason": _finish(r.finish_reason), "logprobs": lp})
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
                 "choices": choices, "usage": job.usage(responses)}
 
     async def _stream_completions(lb, job: OpenAICall, req: CompletionRequest):
         stream, first = await _first_chunk(lb, job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        offsets = [len(e) for e in job.echo for _ in range(job.n)]
-        head = ([_completion_chunk(job, i, job.echo[i // job.n], None, None) for i in range(len(offsets))]
-                if req.echo else [])
+        # the echo goes first, or, when its tokens' logprobs come from the engine, with each choice's first piece
+        early_echo = req.echo and not job.echo_logprobs
+        offsets = [len(e) if early_echo else 0 for e in job.echo for _ in range(job.n)]
+        head = [_completion_chunk(job, i, job.echo[i // job.n], None, None) for i in range(len(offsets))
+                if early_echo]
+        started = [early_echo] * len(offsets)
 
         def choice_event(i, r, finish):
-            lp = _completion_logprobs(job, r, offsets[i]) if job.want_logprobs else None
-            offsets[i] += len(r.generated_text)
-            return _completion_chunk(job, i, r.generated_text, finish, lp)
+            text, lp = _completion_piece(job, i, r, offsets[i], first=not started[i] and req.echo)
+            started[i] = True
+            offsets[i] += len(text)
+            return _completion_chunk(job, i, text, finish, lp)
 
         def usage_event(last):
             if include_usage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -157,10 +158,14 @@ def num_sequences(request) -> int:
 def to_reply(r: Response, time_taken: float = 0.0):
     logprobs = [pb2.TokenLogprob(token_id=x["token_id"], logprob=x["logprob"], top_logprobs=x["top_logprobs"])
                 for x in r.logprobs or ()]
+    prompt_logprobs = [pb2.TokenLogprob(token_id=x["token_id"], top_logprobs=x["top_logprobs"],
+                                        logprob=math.nan if x["logprob"] is None else x["logprob"])
+                       for x in r.prompt_logprobs or ()]
     return pb2.SingleGenerationReply(response=r.generated_text, finish_reason=r.finish_reason,
                                      prompt_tokens=r.prompt_length, generated_tokens=r.generated_length,
                                      time_taken=time_taken, token_ids=r.token_ids or (), logprobs=logprobs,
-                                     has_logprobs=r.logprobs is not None)
+                                     has_logprobs=r.logprobs is not None, prompt_logprobs=prompt_logprobs,
+                                     has_prompt_logprobs=r.prompt_logprobs is not None)
 
 
 def from_reply(s) -> Response:
@@ -168,8 +173,12 @@ def from_reply(s) -> Response:
     if s.has_logprobs:
         logprobs = [{"token_id": x.token_id, "logprob": x.logprob, "top_logprobs": dict(x.top_logprobs)}
                     for x in s.logprobs]
+    prompt_logprobs = None
+    if s.has_prompt_logprobs:
+        prompt_logprobs = [{"token_id": x.token_id, "logprob": None if math.isnan(x.logprob) else x.logprob,
+                            "top_logprobs": dict(x.top_logprobs)} for x in s.prompt_logprobs]
     return Response(s.response, s.prompt_tokens, s.generated_tokens, FinishReason(s.finish_reason),
-                    list(s.token_ids), logprobs)
+                    list(s.token_ids), logprobs, prompt_logprobs)
 
 
 def from_multi_reply(reply) -> list[Response]:

@@ -106,7 +106,7 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[Optional[float]] = Field(description="null for an echoed prompt's first token")
     top_logprobs: list[Optional[dict[str, float]]]
     text_offset: list[int]
 
