@@ -76,7 +76,9 @@ class NamedToolChoice(BaseModel):
 
 
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
-TemplateKwargs = dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Any]
+_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
+TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=_IDENTIFIER)], Any],
+                           WithJsonSchema({"type": "object", "propertyNames": {"pattern": _IDENTIFIER}})]
 """`chat_template_kwargs`: variables for the chat template (e.g. `enable_thinking`)."""
 
 
