@@ -202,6 +202,12 @@ class MIILogprob(BaseModel):
     top_logprobs: dict[str, float]
 
 
+class MIIPromptLogprob(BaseModel):
+    token_id: int
+    logprob: Optional[float] = Field(description="null for the first prompt token")
+    top_logprobs: dict[str, float]
+
+
 class MIIResponse(BaseModel):
     generated_text: str
     prompt_length: int
@@ -209,6 +215,7 @@ class MIIResponse(BaseModel):
     finish_reason: FinishReasonName
     token_ids: Optional[list[int]] = None
     logprobs: Optional[list[MIILogprob]] = None
+    prompt_logprobs: Optional[list[MIIPromptLogprob]] = Field(None, description="with prompt_logprobs=k")
 
 
 class Health(BaseModel):

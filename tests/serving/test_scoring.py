@@ -71,3 +71,15 @@ def test_max_tokens_0_needs_echo(base_url):
     r = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                             "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_on_the_mii_rest_route_and_grpc(base_url, deployment, reference):
+    r = httpx.post(f"{base_url}/mii/{deployment.deployment_name}", timeout=60,
+                   json={"prompts": [PROMPT], "max_new_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    (out,) = r.json()
+    assert out["prompt_logprobs"][0]["logprob"] is None and len(out["prompt_logprobs"]) == len(PROMPT)
+    assert abs(out["prompt_logprobs"][4]["logprob"] - reference[3, PROMPT[4]].item()) < 1e-4
+    (grpc_out,) = deployment.generate([PROMPT], max_new_tokens=1, prompt_logprobs=1)
+    assert [x["token_id"] for x in grpc_out.prompt_logprobs] == PROMPT
+    assert grpc_out.prompt_logprobs[4]["logprob"] == out["prompt_logprobs"][4]["logprob"]
