@@ -43,27 +43,36 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def json_end(text: str, start: int) -> Optional[int]:
-    """Index just past the JSON object or array that opens at `text[start]`, or None while it is incomplete."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class JSONScanner:
+    """Finds where the JSON object or array at the start of a growing text ends, reading each character once
+    (a long answer that only looks like JSON must not be rescanned at every piece)."""
+
+    def __init__(self):
+        self.pos, self.depth, self.in_string, self.escaped = 0, 0, False, False
+
+    def end(self, text: str) -> Optional[int]:
+        """Index just past the value that opens at `text[0]`, or None while it is incomplete; `text` is the same
+        text as before, grown."""
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
 
 
 def as_call(obj, args_keys=("arguments", "parameters")) -> Optional[ToolCall]:
@@ -203,29 +212,32 @@ class Llama3JSONParser(_LeadingJSON):
     def __init__(self):
         super().__init__()
         self.calls = 0
+        self.scanner: Optional[JSONScanner] = None  # over self.buf, once it starts with "{"
 
     def _calls(self, out, final):
         while True:
-            head = self.buf.lstrip()
-            if self.calls and head.startswith(";"):
-                head = head[1:].lstrip()
-            if not head:
-                return
-            if head[0] != "{":
-                if self.calls:
-                    self.buf = head
-                return self._not_calls()
-            end = json_end(head, 0)
+            if self.scanner is None:
+                head = self.buf.lstrip()
+                if self.calls and head.startswith(";"):
+                    head = head[1:].lstrip()
+                if not head:
+                    return
+                if head[0] != "{":
+                    if self.calls:
+                        self.buf = head
+                    return self._not_calls()
+                self.buf, self.scanner = head, JSONScanner()
+            end = self.scanner.end(self.buf)
             if end is None:
                 if final:
                     return self._not_calls()
                 return
-            call = as_call(_loads(head[:end]))
+            call = as_call(_loads(self.buf[:end]))
             if call is None:
                 return self._not_calls()
             out.append(("tool_call", call))
             self.calls += 1
-            self.buf = head[end:]
+            self.buf, self.scanner = self.buf[end:], None
 
 
 class JSONArrayParser(_LeadingJSON):
@@ -236,8 +248,12 @@ class JSONArrayParser(_LeadingJSON):
     MARKER = "[TOOL_CALLS]"
     OPENS = "["
 
+    def __init__(self):
+        super().__init__()
+        self.scanner = JSONScanner()
+
     def _calls(self, out, final):
-        end = json_end(self.buf, 0)
+        end = self.scanner.end(self.buf)
         if end is None:
             if final:
                 self._not_calls()
