@@ -278,10 +278,11 @@ class ChatSetup:
         return {} if schema is None else {"json_schema": schema}
 
     def parser(self, engine_kwargs: dict) -> ChoiceParser:
-        # a constrained answer (tools' or response_format's) is that text from its first token: no thinking in it
+        # a constrained answer (tools' or response_format's) is that text from its first token: no thinking in it;
+        # and one held to response_format's schema is no tool call, whatever its JSON looks like
         constrained = any(k in engine_kwargs for k in KINDS)
-        return ChoiceParser(self.tools if self.tools.active else None, self.reasoning_on and not constrained,
-                            self.in_think)
+        tools = self.tools if self.tools.active and (self.tools.constrained or not constrained) else None
+        return ChoiceParser(tools, self.reasoning_on and not constrained, self.in_think)
 
 
 def parse_choice(text: str, tools: Optional[ToolPlan] = None, reasoning_on: bool = False,

@@ -75,11 +75,14 @@ class JSONScanner:
         return None
 
 
-def as_call(obj, args_keys=("arguments", "parameters")) -> Optional[ToolCall]:
-    """A `{"name": str, "arguments" | "parameters": object or JSON-object string}` as a ToolCall, else None."""
+def as_call(obj, need_arguments: bool = False) -> Optional[ToolCall]:
+    """A `{"name": str, "arguments" | "parameters": object or JSON-object string}` as a ToolCall, else None.
+    `need_arguments`: where the call has no markup around it, a JSON answer that merely has a "name" is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    key = next((k for k in args_keys if k in obj), None)
+    key = next((k for k in ("arguments", "parameters") if k in obj), None)
+    if key is None and need_arguments:
+        return None
     args = {} if key is None else obj[key]
     if isinstance(args, str):
         try:
@@ -232,7 +235,7 @@ class Llama3JSONParser(_LeadingJSON):
                 if final:
                     return self._not_calls()
                 return
-            call = as_call(_loads(self.buf[:end]))
+            call = as_call(_loads(self.buf[:end]), need_arguments=True)
             if call is None:
                 return self._not_calls()
             out.append(("tool_call", call))
@@ -259,7 +262,7 @@ class JSONArrayParser(_LeadingJSON):
                 self._not_calls()
             return
         items = _loads(self.buf[:end])
-        calls = [as_call(x) for x in items] if isinstance(items, list) and items else [None]
+        calls = [as_call(x, need_arguments=True) for x in items] if isinstance(items, list) and items else [None]
         if any(c is None for c in calls):
             return self._not_calls()
         out.extend(("tool_call", c) for c in calls)

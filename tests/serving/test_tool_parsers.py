@@ -41,6 +41,8 @@ CASES = [  # (parser, in_think, reasoning on, text, expected reasoning, content,
      None, "and some words", [("get_time", {"tz": "UTC"})]),
     ("llama3_json", False, False, "The weather is {sunny}.", None, "The weather is {sunny}.", []),
     ("llama3_json", False, False, '{"answer": 42}', None, '{"answer": 42}', []),
+    ("llama3_json", False, False, '{"name": "Alice", "age": 3}', None, '{"name": "Alice", "age": 3}', []),  # data
+    ("mistral", False, False, '[{"name": "Alice"}]', None, '[{"name": "Alice"}]', []),
     ("mistral", False, False,
      '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lima"}}, {"name": "get_time", "arguments": {}}]',
      None, None, [("get_weather", {"city": "Lima"}), ("get_time", {})]),

@@ -251,6 +251,13 @@ def test_plain_answers_tool_choice_none_and_parallel_false(scripted, fake):
     scripted.answers = [FORMATS[0][1]]
     r = fake.chat.completions.create(model="scripted", messages=HI, tools=TOOLS, parallel_tool_calls=False)
     assert [c[0] for c in _calls(r.choices[0].message)] == ["get_weather"]
+    # an answer held to response_format's schema is content, even where it looks like a call
+    scripted.answers = ['{"name": "get_time", "parameters": {"tz": "UTC"}}']
+    with scripted.parsers("llama3_json"):
+        r = fake.chat.completions.create(model="scripted", messages=HI, tools=TOOLS,
+                                         response_format={"type": "json_object"})
+    assert r.choices[0].message.content == scripted.answers[0] and r.choices[0].message.tool_calls is None
+    assert "json_object" in scripted.requests[-1][1]
 
 
 def test_n_choices_stream_their_own_calls(scripted, fake):
