@@ -75,7 +75,7 @@ class Constraint:
 
 
 def normalize_json_schema(value) -> Optional[str]:
-    """A `json_schema` argument (a dict, True/False, or JSON text) → canonical JSON text; errors name the field."""
+    """A `json_schema` argument (a dict, True/False, or JSON text) → compact JSON text; errors name the field."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -86,7 +86,7 @@ def normalize_json_schema(value) -> Optional[str]:
     if not isinstance(value, (dict, bool)):
         raise ValidationError("json_schema", f"must be a JSON schema (an object), got {type(value).__name__}")
     try:
-        return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)  # key order kept: properties come in it
     except (TypeError, ValueError) as e:
         raise ValidationError("json_schema", f"cannot be written as JSON: {e}") from None
 

@@ -69,7 +69,8 @@ class GenerationParams:
     (OpenAI's logit_bias; ids may be strings of digits, as JSON keys are)."""
     # constraints (mii.engine.constraints): at most one
     json_schema: Optional[str] = None
-    """The output is JSON valid under this schema; given as a dict or JSON text, kept as canonical JSON text."""
+    """The output is JSON valid under this schema (properties in its order); given as a dict or JSON text, kept as
+    JSON text."""
     json_object: bool = False
     """The output is a JSON object (any)."""
     regex: Optional[str] = None

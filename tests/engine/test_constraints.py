@@ -170,3 +170,20 @@ def test_logit_bias(pipe):
         with pytest.raises(ValidationError) as e:
             pipe([prompt], max_new_tokens=2, logit_bias=bad)
         assert e.value.field == "logit_bias"
+
+
+def test_json_schema_and_choice_on_smollm2(default_pipe):
+    """The embedded SmolLM2 (real weights): a few samples under a schema, all valid, keys in the schema's order."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]}}, "required": ["name", "age", "role"], "additionalProperties": False}
+    prompt = default_pipe.apply_chat_template([{"role": "user", "content": "Invent a user profile as JSON."}])
+    outs = default_pipe([prompt], json_schema=schema, n=2, seed=1, max_new_tokens=100)
+    for o in outs:
+        assert o.finish_reason == "stop", o.generated_text
+        value = json.loads(o.generated_text)
+        jsonschema.validate(value, schema)
+        assert list(value) == ["name", "age", "role"]
+    question = default_pipe.apply_chat_template([{"role": "user", "content": "Is Paris in France? yes or no"}])
+    (answer,) = default_pipe([question], choice=["yes", "no"], do_sample=False, max_new_tokens=5)
+    assert answer.generated_text in ("yes", "no")
