@@ -12,6 +12,7 @@ and parses nothing.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from typing import Optional
@@ -84,10 +85,21 @@ def render(model, messages: list, add_generation_prompt: bool, tools: Optional[l
                        check_template_kwargs(template_kwargs))
 
 
-def template_text(chat_template) -> str:
-    if isinstance(chat_template, dict):
-        return " ".join(str(t) for t in chat_template.values())
-    return chat_template or ""
+@functools.lru_cache(maxsize=8)
+def _template_variables(source: str) -> frozenset:
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+    except jinja2.TemplateError:
+        return frozenset()
+
+
+def renders_tools(chat_template) -> bool:
+    """Whether a chat template (or one of a tokenizer's named templates) reads the `tools` variable."""
+    sources = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    return any("tools" in _template_variables(str(s)) for s in sources)
 
 
 class ToolPlan:
@@ -115,7 +127,7 @@ class ToolPlan:
                                param="tool_choice")
         self.choice = "named" if self.named else choice
         self.parser = parser
-        if self.choice != "none" and "tools" not in template_text(chat_template):
+        if self.choice != "none" and not renders_tools(chat_template):
             raise APIError(400, "tools: this model's chat template does not render tools", param="tools")
         if self.choice == "auto" and parser is None:
             raise APIError(400, "tools: the server knows no tool-call format for this model's chat template; start "
@@ -158,8 +170,8 @@ class ToolPlan:
 
 
 def _parameters(tool: Tool) -> dict:
-    return tool.function.parameters if tool.function.parameters is not None else {"type": "object",
-                                                                                   "properties": {}}
+    """A tool's arguments schema for the constraint: always of an object (OpenAI's arguments are one)."""
+    return {"type": "object", **(tool.function.parameters or {"properties": {}})}
 
 
 def _check_parameters(schema: Optional[dict], where: str) -> None:
@@ -167,8 +179,8 @@ def _check_parameters(schema: Optional[dict], where: str) -> None:
         return
     import jsonschema
 
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+    try:  # against one meta-schema whatever "$schema" says (an odd one broke validator_for)
+        jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise APIError(400, f"{where}: not a valid JSON Schema: {e.message}", param=where) from None
     if schema.get("type", "object") != "object":

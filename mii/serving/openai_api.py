@@ -155,7 +155,8 @@ class OpenAICall:
                  extra_kwargs: Optional[dict] = None):
         self.model, self.req, self.n = model, req, req.n
         kwargs = structured.merge(req.engine_kwargs(model.max_context), extra_kwargs or {})
-        self.renames = {**_RENAMES, **req.constraint()[1]}  # engine fields → the ones this request used
+        # engine fields → the ones this request used (extra_kwargs: the constraint of the request's tools)
+        self.renames = {**_RENAMES, **req.constraint()[1], **{k: "tools" for k in extra_kwargs or {}}}
         if isinstance(req, ChatRequest):
             lp = (req.top_logprobs or 0) if req.logprobs else None
         else:

@@ -327,6 +327,10 @@ def test_bad_tool_requests_are_400s_naming_the_field(scripted, fake):
     _bad(lambda: chat(model="scripted", messages=HI, tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}}]),
         "tools[0].function.parameters", "not a valid JSON Schema")
+    _bad(lambda: chat(model="scripted", messages=HI, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "$schema": 5}}}]), "tools[0].function.parameters")
+    _bad(lambda: chat(model="scripted", messages=HI, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "array"}}}]), "tools[0].function.parameters", "type object")
     _bad(lambda: chat(model="scripted", messages=HI, tools=[{"type": "function", "function": {"name": "bad name"}}]),
          "tools[0].function.name")
     _bad(lambda: chat(model="scripted", messages=HI, extra_body={"chat_template_kwargs": {"tools": []}}),
@@ -423,3 +427,9 @@ def test_constrained_tool_calls_on_a_random_model(real, choice):
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert [_calls(c.message) for c in sorted(streamed.choices, key=lambda c: c.index)] == \
         [_calls(c.message) for c in whole.choices]
+    # a parameters schema the grammar engine cannot hold the output to is a 400 naming tools
+    remote = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"$ref": "https://example.com/city.json"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        real.chat.completions.create(**{**kw, "tools": [remote]})
+    assert e.value.body["param"] == "tools", e.value.body
