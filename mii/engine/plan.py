@@ -20,9 +20,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_KV_CAP_BYTES = 2 << 30
 ATTENTION_LABELS = {"torch": "torch SDPA over gathered KV blocks",
                     "kernel": "mii::paged_attention (KV blocks read in place, one call per layer); "
-                              "fused rms_norm+residual, rotary, silu*mul"}
+                              "fused rms_norm+residual, rotary, silu*mul; pre-norm RMSNorm/SiLU models run all "
+                              "their layers in one mii::decoder_stack call"}
 LINEAR_LABELS = {"torch": "torch (oneDNN/MKL)",
-                 "kernel": "mii::linear_bf16w (bf16 weights widened to fp32 in registers)"}
+                 "kernel": "mii::linear_bf16w (bf16 weights, tiled for one sequential stream, widened to fp32 in "
+                           "registers)"}
 
 
 @dataclass

@@ -5,7 +5,10 @@
 - `mii::rms_norm` (with the residual add folded in), `mii::rotary_` (in place on q and k) and
   `mii::silu_and_mul`: one call each where eager PyTorch takes 5-10 small ops (`fused_cpu.cpp`);
 - `mii::linear_bf16w`: a linear whose weight is stored in bf16 and whose math is fp32, for CPUs without native
-  bf16 matmul: decode streams half the bytes of fp32 weights (`linear_cpu.cpp`).
+  bf16 matmul: decode streams half the bytes of fp32 weights (`linear_cpu.cpp`);
+- `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
+  MLP) in one call, running the kernels above in the eager order without the Python between them
+  (`decoder_cpu.cpp`).
 
 The ops are defined here; their CPU kernels are C++, built once per machine with the system compiler and cached under
 `~/.cache/mii/kernels` (`$MII_CACHE_DIR`). Why our own: no maintained package offers CPU paged attention for
@@ -29,7 +32,8 @@ from mii.envs import cache_dir, cpu_flags
 
 log = logging.getLogger("mii")
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp",
+                                                  "decoder_cpu.cpp")]
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
@@ -38,6 +42,9 @@ _lib.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, floa
 _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()")
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
 _lib.define("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
+            "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
+            "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows) -> (Tensor, Tensor)")
 
 
 @torch.library.register_fake("mii::paged_attention")
@@ -60,9 +67,15 @@ def _(x):
     return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 
+@torch.library.register_fake("mii::decoder_stack")
+def _(x, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables, max_query_len, n_heads,
+      n_kv_heads, head_dim, scale, eps, norm_offset, windows):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 @torch.library.register_fake("mii::linear_bf16w")
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x, weight, bias):  # weight [N, K], or tiled [N/8, K/8, 64]
+    return x.new_empty(*x.shape[:-1], weight.shape[0] * (8 if weight.dim() == 3 else 1))
 
 
 _lock = threading.Lock()

@@ -4,6 +4,11 @@
 //   registers (a 16-bit shift) and multiplied with all rows of x at once; the bytes read are what limit it.
 // - More rows (prompt chunks, big batches): each thread widens a block of weight rows into an fp32 buffer that
 //   stays in cache and multiplies it with ATen's fp32 GEMM, so the cost of widening is shared by all the rows.
+// The weight is either row-major [N, K] or tiled [N/8, K/8, 64] (`tile_bf16w` in mii/layers/linear.py, at load):
+// a tile holds 8 rows x 8 columns, rows interleaved in pairs (element j of rows 2p and 2p+1 side by side), so the
+// kernel reads the whole weight as one sequential stream — rows of a few hundred columns, as in small models,
+// otherwise make many short streams the hardware prefetcher follows badly — and widens two rows with one
+// 32-byte load, a shift (even lanes) and a mask (odd lanes).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -118,8 +123,116 @@ void widen(const uint16_t* src, float* dst, int64_t count) {
   for (; i < count; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
+// --- tiled weights: [N/8][K/8][pair p][column j][row 2p + s], 64 bf16 (128 bytes) a tile --------------------------
+
+constexpr int64_t kTile = 64;
+constexpr int64_t kPrefetchTiles = 16;  // ~2 KB ahead
+
+#ifdef MII_AVX2
+// 8 accumulators of one row group -> their 8 sums, in order
+inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#ifdef MII_AVX2
+// One row of x against the group's 8 weight rows: every tile read once, 8 accumulators (single-stream decode).
+inline void tiled_row(const float* xm, int64_t KT, const uint16_t* group, float* ym) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    const uint16_t* t = group + kt * kTile;
+    // both cache lines of the tile kPrefetchTiles ahead
+    _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchTiles * kTile), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchTiles * kTile + 32), _MM_HINT_T0);
+    const __m256 xv = _mm256_loadu_ps(xm + kt * 8);
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + p * 16));
+      acc[2 * p] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), acc[2 * p]);
+      acc[2 * p + 1] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_and_si256(v, odd)), acc[2 * p + 1]);
+    }
+  }
+  _mm256_storeu_ps(ym, reduce8(acc));
+}
+
+// Four rows of x against one pair of weight rows (2p, 2p+1): each weight vector widened once for four rows.
+inline void tiled_quad(const float* x, int64_t K, const uint16_t* group, int p, float* y, int64_t N) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[8];  // [row of x][even, odd weight row]
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kt = 0; kt < K / 8; ++kt) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kt * kTile + p * 16));
+    const __m256 even_w = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 odd_w = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+    for (int m = 0; m < 4; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + kt * 8);
+      acc[2 * m] = _mm256_fmadd_ps(xv, even_w, acc[2 * m]);
+      acc[2 * m + 1] = _mm256_fmadd_ps(xv, odd_w, acc[2 * m + 1]);
+    }
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, reduce8(acc));
+  for (int m = 0; m < 4; ++m) {
+    y[m * N + 2 * p] = sums[2 * m];
+    y[m * N + 2 * p + 1] = sums[2 * m + 1];
+  }
+}
+#endif
+
+// y[m, 8g .. 8g+7] for every row m of x, from the group's K/8 tiles (read from memory once, then from cache)
+inline void tiled_group(const float* x, int64_t M, int64_t K, const uint16_t* group, float* y, int64_t N) {
+  int64_t m = 0;
+#ifdef MII_AVX2
+  for (; m + 4 <= M; m += 4)
+    for (int p = 0; p < 4; ++p) tiled_quad(x + m * K, K, group, p, y + m * N, N);
+  for (; m < M; ++m) tiled_row(x + m * K, K / 8, group, y + m * N);
+#else
+  for (; m < M; ++m)
+    for (int r = 0; r < 8; ++r) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        sum += x[m * K + k] * bf16_to_float(group[(k / 8) * kTile + (r / 2) * 16 + (k % 8) * 2 + r % 2]);
+      y[m * N + r] = sum;
+    }
+#endif
+}
+
+void tiled_gemv(const float* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y) {
+  const int64_t groups = N / 8, group_elems = K * 8;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(group_elems, 1));  // ~64 KB a task
+  at::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) tiled_group(x, M, K, tiles + g * group_elems, y + g * 8, N);
+  });
+}
+
+// rows n0 .. n0+count-1 (multiples of 8) of a tiled weight -> row-major fp32
+void widen_tiled(const uint16_t* tiles, int64_t K, int64_t n0, int64_t count, float* dst) {
+  const int64_t KT = K / 8;
+  for (int64_t g = n0 / 8; g < (n0 + count) / 8; ++g) {
+    float* rows = dst + (g * 8 - n0) * K;
+    for (int64_t kt = 0; kt < KT; ++kt) {
+      const uint16_t* t = tiles + (g * KT + kt) * kTile;
+      for (int p = 0; p < 4; ++p) {
+#ifdef MII_AVX2
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + p * 16));
+        _mm256_storeu_ps(rows + (2 * p) * K + kt * 8, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        _mm256_storeu_ps(rows + (2 * p + 1) * K + kt * 8,
+                         _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+#else
+        for (int j = 0; j < 8; ++j)
+          for (int s2 = 0; s2 < 2; ++s2) rows[(2 * p + s2) * K + kt * 8 + j] = bf16_to_float(t[p * 16 + j * 2 + s2]);
+#endif
+      }
+    }
+  }
+}
+
 // Blocks of kGemmBlock weight rows in parallel: widen into a per-task buffer, then y[:, block] = x @ block.T.
-void blocked_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K, at::Tensor& y) {
+void blocked_gemm(const at::Tensor& x, const uint16_t* w, bool tiled, int64_t N, int64_t K, at::Tensor& y) {
   // about kGemmBlock rows a block, in a multiple of the thread count so that no thread idles at the end
   const int64_t threads = at::get_num_threads();
   const int64_t blocks = ((N + kGemmBlock - 1) / kGemmBlock + threads - 1) / threads * threads;
@@ -132,7 +245,11 @@ void blocked_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K, 
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * rows, nb = std::min(rows, N - n0);
       if (nb <= 0) continue;
-      widen(w + n0 * K, buf.data(), nb * K);
+      if (tiled) {
+        widen_tiled(w, K, n0, nb, buf.data());
+      } else {
+        widen(w + n0 * K, buf.data(), nb * K);
+      }
       auto out = y.narrow(1, n0, nb);
       at::mm_out(out, x, wt.narrow(0, 0, nb).t());
     }
@@ -142,10 +259,11 @@ void blocked_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K, 
 }  // namespace
 
 at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "linear_bf16w: weight must be 2-D bf16");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "linear_bf16w: x has ", x.size(-1), " features, the weight ",
-              weight.size(1));
-  const int64_t N = weight.size(0), K = weight.size(1);
+  const bool tiled = weight.dim() == 3;
+  TORCH_CHECK((weight.dim() == 2 || (tiled && weight.size(2) == kTile)) && weight.scalar_type() == at::kBFloat16,
+              "linear_bf16w: weight must be bf16, [N, K] or tiled [N/8, K/8, 64]");
+  const int64_t N = tiled ? weight.size(0) * 8 : weight.size(0), K = tiled ? weight.size(1) * 8 : weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear_bf16w: x has ", x.size(-1), " features, the weight ", K);
   // (no dispatcher calls for what a decode step already has: 2-D dense fp32 rows and a dense weight)
   const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
   const at::Tensor xf = x2.scalar_type() == at::kFloat && x2.is_contiguous() ? x2 : x2.to(at::kFloat).contiguous();
@@ -156,12 +274,14 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
   if (M > 0 && N > 0) {
     const float* xp = xf.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    if (M <= 2) {
+    if (M > kGemvRows) {
+      blocked_gemm(xf, wp, tiled, N, K, y);
+    } else if (tiled) {
+      tiled_gemv(xp, M, K, wp, N, yp);
+    } else if (M <= 2) {
       gemv<4>(xp, M, K, wp, N, yp);
-    } else if (M <= kGemvRows) {
-      gemv<2>(xp, M, K, wp, N, yp);
     } else {
-      blocked_gemm(xf, wp, N, K, y);
+      gemv<2>(xp, M, K, wp, N, yp);
     }
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));

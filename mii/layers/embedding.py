@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii.layers.linear import check_shape, packed_linear
+from mii.layers.linear import check_shape, packed_linear, tiled_rows
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -27,13 +27,18 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(param, part, "embedding")
         param.data.copy_(part)
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        # a weight tied to an LM head that mii::linear_bf16w reads is tiled (store_weights_bf16)
+        return tiled_rows(self.weight, ids) if self.weight.dim() == 3 else F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            y = F.embedding(ids, self.weight)
+            y = self._rows(ids)
         else:
+            rows = self.weight.shape[0] * (8 if self.weight.dim() == 3 else 1)
             local = ids - self.start
-            inside = (local >= 0) & (local < self.weight.shape[0])
-            y = F.embedding(local.clamp(0, max(self.weight.shape[0] - 1, 0)), self.weight) * inside.unsqueeze(-1)
+            inside = (local >= 0) & (local < rows)
+            y = self._rows(local.clamp(0, max(rows - 1, 0))) * inside.unsqueeze(-1)
         if self.out_dtype is not None:
             y = y.to(self.out_dtype)
         return y if self.tp_size == 1 else all_reduce(y)

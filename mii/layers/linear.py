@@ -54,23 +54,43 @@ def packed_linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tenso
     return F.linear(x, module.weight, bias)
 
 
+def tile_bf16w(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] → the tiled layout `mii::linear_bf16w` streams best: [N/8, K/8, 64], each tile 8 rows x 8 columns
+    with the rows interleaved in pairs (tile element p*16 + j*2 + s is row 2p+s, column j). N and K must be
+    multiples of 8."""
+    n, k = w.shape
+    return w.view(n // 8, 4, 2, k // 8, 8).permute(0, 3, 1, 4, 2).contiguous().view(n // 8, k // 8, 64)
+
+
+def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a tiled weight, row-major ([*ids.shape, K]): the embedding lookup of a tied LM head."""
+    t = tiles.view(tiles.shape[0], tiles.shape[1], 4, 8, 2)
+    r = ids % 8
+    return t[ids // 8, :, r // 2, :, r % 2].reshape(*ids.shape, tiles.shape[1] * 8)
+
+
 def store_weights_bf16(model: nn.Module) -> int:
     """Keep the weights of every linear, the LM head and the embedding in bf16 (half the bytes a decode step
     streams) while the rest of the model computes in its own dtype: their matmuls go through
     `mii::linear_bf16w` (bf16 weights widened to fp32 in registers), the embedding casts the rows it returns.
-    For CPUs without native bf16 matmul, where the mii CPU kernels are built. Returns how many weights."""
-    weights = {}
+    A weight a matmul reads whose sides are multiples of 8 is stored tiled (`tile_bf16w`; an embedding tied to
+    it reads its rows from the tiles). For CPUs without native bf16 matmul, where the mii CPU kernels are built.
+    Returns how many weights."""
+    weights, matmul = {}, set()
     for m in model.modules():
         w = getattr(m, "weight", None)
         if not (hasattr(m, "bf16_kernel") or hasattr(m, "out_dtype")) or w is None or w.dim() != 2 or not w.numel():
             continue
         if hasattr(m, "bf16_kernel"):
             m.bf16_kernel = True
+            matmul.add(id(w))
         if hasattr(m, "out_dtype"):
             m.out_dtype = w.dtype  # before any conversion: a tied weight is shared with the LM head
         weights[id(w)] = w
     for w in weights.values():
         w.data = w.data.to(torch.bfloat16)
+        if id(w) in matmul and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0:
+            w.data = tile_bf16w(w.data)
     return len(weights)
 
 

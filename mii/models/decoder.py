@@ -14,6 +14,7 @@ import re
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mii.layers.attention import AttentionContext, PagedAttention
@@ -21,7 +22,7 @@ from mii.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mii.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from mii.layers.mlp import MLP
 from mii.layers.moe import DOWN, GATE, UP, SparseMoeBlock
-from mii.layers.norm import build_norm
+from mii.layers.norm import RMSNorm, build_norm
 from mii.layers.rotary import RotaryEmbedding
 from mii.models.config import ArchConfig
 
@@ -127,6 +128,40 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotaries[i]) for i in range(cfg.num_layers))
         self.norm = _norm(cfg) if cfg.final_norm else None
         self.embed_scale = cfg.embed_scale
+        self.stack: Optional[dict] = None  # mii::decoder_stack's arguments, set by `fuse_stack`
+
+    def fuse_stack(self) -> bool:
+        """Run every decoder layer in one `mii::decoder_stack` call (mii's CPU kernels, once the model runner
+        has bound the KV cache and set the fused ops) when they are all pre-norm RMSNorm layers with fused qkv,
+        rotary, kernel attention and a gated SiLU MLP, unsharded and not prepacked for oneDNN; the C++ loop runs the
+        same kernels in the same order as the layers below. Returns whether it does."""
+        params, caches, windows = [], [], []
+        none = torch.empty(0)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+            if not (layer.block == "pre_norm" and all(isinstance(n, RMSNorm) and n.fused for n in norms)
+                    and attn.q_norm is None and attn.rotary is not None and attn.rotary.fused
+                    and attn.attn.backend == "kernel" and attn.attn.k_cache is not None
+                    and isinstance(mlp, MLP) and mlp.gated and mlp.fused and mlp.act is F.silu
+                    and all(m is not None and m.packed is None and getattr(m, "tp_size", 1) == 1 for m in linears)
+                    and {(n.eps, n.offset) for n in norms} == {(self.layers[0].input_layernorm.eps,
+                                                                self.layers[0].input_layernorm.offset)}):
+                self.stack = None
+                return False
+            for norm, linear in zip((layer.input_layernorm, None, layer.post_attention_layernorm, None), linears):
+                if norm is not None:
+                    params.append(norm.weight)
+                params += [linear.weight, none if linear.bias is None else linear.bias]
+            params += [attn.rotary.cos, attn.rotary.sin]
+            caches += [attn.attn.k_cache, attn.attn.v_cache]
+            windows.append(attn.attn.window or 0)
+        first, a = self.layers[0], self.layers[0].self_attn
+        self.stack = dict(params=params, caches=caches, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                          head_dim=a.attn.head_dim, scale=a.attn.scale, eps=first.input_layernorm.eps,
+                          norm_offset=first.input_layernorm.offset, windows=windows)
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, embed_dim]
@@ -137,8 +172,15 @@ class DecoderModel(nn.Module):
         if self.cfg.learned_positions:
             x = x + self.embed_positions(positions + self.position_offset)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+        if self.stack is not None and x.shape[0]:
+            st = self.stack
+            x, residual = torch.ops.mii.decoder_stack(
+                x, positions, st["params"], st["caches"], ctx.slot_mapping, ctx.query_start, ctx.seq_lens,
+                ctx.block_tables, ctx.max_query_len, st["n_heads"], st["n_kv_heads"], st["head_dim"], st["scale"],
+                st["eps"], st["norm_offset"], st["windows"])
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, ctx)
         if self.norm is not None:
             x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         elif residual is not None:

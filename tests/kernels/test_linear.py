@@ -7,6 +7,7 @@ from transformers import LlamaConfig, PhiConfig
 import mii
 from mii import kernels
 from mii.engine import plan as plan_module
+from mii.layers.linear import tile_bf16w, tiled_rows
 from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
@@ -18,18 +19,34 @@ def _reference(x, w, b):
     return y + b.double() if b is not None else y
 
 
-# rows 1-16 take the streaming kernel (in groups of 4 rows against 4 or 2 weight rows), more the blocked GEMM;
-# K not a multiple of 8 and N not a multiple of the row group exercise the tails
+# rows 1-16 take the streaming kernel (in groups of 4 rows against 4 or 2 weight rows, or a tile group of 8
+# rows), more the blocked GEMM; K not a multiple of 8 and N not a multiple of the row group exercise the tails of
+# the row-major layout; sides that are multiples of 8 also run tiled
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 70])
-@pytest.mark.parametrize("n,k", [(96, 64), (131, 100), (3, 7), (300, 576)])
+@pytest.mark.parametrize("n,k", [(96, 64), (131, 100), (3, 7), (300, 576), (8, 8), (392, 1536)])
 def test_matches_float64(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-    for bias in (None, b):
-        out = torch.ops.mii.linear_bf16w(x, w, bias)
-        assert out.dtype == torch.float32 and out.shape == (m, n)
-        torch.testing.assert_close(out.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    layouts = [w] + ([tile_bf16w(w)] if n % 8 == 0 and k % 8 == 0 else [])
+    for weight in layouts:
+        for bias in (None, b):
+            out = torch.ops.mii.linear_bf16w(x, weight, bias)
+            assert out.dtype == torch.float32 and out.shape == (m, n)
+            torch.testing.assert_close(out.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_tiled_layout_and_its_rows():
+    """The tiled layout holds every element once, where the kernel reads it, and an embedding tied to a tiled
+    LM head reads its rows back exactly (any leading dims of the ids)."""
+    w = torch.arange(24 * 16, dtype=torch.float32).view(24, 16).bfloat16()
+    t = tile_bf16w(w)
+    assert t.shape == (3, 2, 64)
+    # tile (group 1, columns 8-15): element p*16 + j*2 + s is row 8 + 2p + s, column 8 + j
+    assert t[1, 1, 2 * 16 + 5 * 2 + 1] == w[8 + 5, 8 + 5] and t[2, 0, 3 * 16 + 7 * 2] == w[16 + 6, 7]
+    assert sorted(t.float().flatten().tolist()) == sorted(w.float().flatten().tolist())
+    ids = torch.tensor([[0, 23, 7], [8, 9, 15]])
+    assert torch.equal(tiled_rows(t, ids), w[ids])
 
 
 def test_bf16_activations_and_leading_dims():

@@ -1,0 +1,82 @@
+// mii::decoder_stack: every pre-norm decoder layer of a step in one call (Llama, Mistral, Qwen2, Phi-3, SmolLM2:
+// RMSNorm, fused qkv with optional bias, rotary, paged attention, gated SiLU MLP). It runs the same kernels in
+// the same order as the layers' eager forward (mii/models/decoder.py with the fused ops), so its output is
+// identical; what it removes is the Python between them — module calls, dispatcher round trips and views, about
+// 0.2 ms a layer, a fifth of a single-stream decode step of a small model.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+// the kernels of the other sources
+std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps, double offset);
+void rotary_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+                const at::Tensor& sin);
+at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                               const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t max_query_len,
+                               double scale, int64_t window);
+at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+namespace {
+
+constexpr int64_t kPerLayer = 12;  // parameters per layer (see decoder_stack_cpu)
+
+// x @ w.T + b, the way the layer's linear computes it: mii::linear_bf16w for a bf16 weight under fp32 math (or a
+// tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
+// under tensor parallelism): `bias_after` does the same, so the rounding is the eager one.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool bias_after = false) {
+  const bool has_bias = b.defined() && b.numel() > 0;
+  const c10::optional<at::Tensor> bias = has_bias && !bias_after ? c10::optional<at::Tensor>(b) : c10::nullopt;
+  at::Tensor y = w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
+                     ? linear_bf16w_cpu(x, w, bias)
+                     : at::linear(x, w, bias);
+  return has_bias && bias_after ? y + b : y;
+}
+
+}  // namespace
+
+// x [T, hidden] (the embeddings; residual none) -> (x, residual) after the last layer, as DecoderLayer returns
+// them. params: per layer, in order: input norm weight, qkv weight, qkv bias, o weight, o bias, post-attention
+// norm weight, gate_up weight, gate_up bias, down weight, down bias, rotary cos, rotary sin (a bias not present
+// is an empty tensor). caches: per layer k_cache, v_cache. windows: per layer (0: none).
+std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
+    const at::Tensor& x_in, const at::Tensor& positions, at::TensorList params, at::TensorList caches,
+    const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& seq_lens,
+    const at::Tensor& block_tables, int64_t max_query_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+    double scale, double eps, double norm_offset, at::IntArrayRef windows) {
+  constexpr int64_t P = kPerLayer;
+  const int64_t layers = static_cast<int64_t>(windows.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * P && static_cast<int64_t>(caches.size()) == 2 * layers,
+              "decoder_stack: ", P, " parameters and 2 caches per layer expected");
+  TORCH_CHECK(x_in.dim() == 2, "decoder_stack: x must be [T, hidden]");
+  const int64_t T = x_in.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
+  at::Tensor x = x_in, residual;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* p = params.data() + i * P;
+    at::Tensor h;
+    if (i == 0) {
+      h = std::get<0>(rms_norm_cpu(x, c10::nullopt, p[0], eps, norm_offset));
+      residual = x;
+    } else {
+      std::tie(h, residual) = rms_norm_cpu(x, residual, p[0], eps, norm_offset);
+    }
+    const at::Tensor qkv = linear(h, p[1], p[2]);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
+    rotary_cpu(q, k, positions, p[10], p[11]);
+    at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
+    const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
+                                                block_tables, max_query_len, scale, windows[i]);
+    const at::Tensor o = linear(attn, p[3], p[4], /*bias_after=*/true);
+    std::tie(h, residual) = rms_norm_cpu(o, residual, p[5], eps, norm_offset);
+    x = linear(silu_and_mul_cpu(linear(h, p[6], p[7])), p[8], p[9], /*bias_after=*/true);
+  }
+  return {x, residual};
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("decoder_stack", &decoder_stack_cpu); }
