@@ -224,6 +224,8 @@ class Llama3JSONParser(_LeadingJSON):
                 if self.calls and head.startswith(";"):
                     head = head[1:].lstrip()
                 if not head:
+                    if final:
+                        self.buf = ""  # a separator after the last call
                     return
                 if head[0] != "{":
                     if self.calls:

@@ -39,6 +39,7 @@ CASES = [  # (parser, in_think, reasoning on, text, expected reasoning, content,
      None, None, [("get_weather", {"city": "Rome", "note": 'a } and a " inside'}), ("get_time", {})]),
     ("llama3_json", False, False, ' {"name": "get_time", "arguments": {"tz": "UTC"}} and some words',
      None, "and some words", [("get_time", {"tz": "UTC"})]),
+    ("llama3_json", False, False, '{"name": "get_time", "parameters": {}};', None, None, [("get_time", {})]),
     ("llama3_json", False, False, "The weather is {sunny}.", None, "The weather is {sunny}.", []),
     ("llama3_json", False, False, '{"answer": 42}', None, '{"answer": 42}', []),
     ("llama3_json", False, False, '{"name": "Alice", "age": 3}', None, '{"name": "Alice", "age": 3}', []),  # data
