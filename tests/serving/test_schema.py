@@ -34,7 +34,8 @@ def test_every_answer_matches_the_schema(base_url, mode):
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                             "/metrics", "/tokenize", "/detokenize", "/mii/{deployment_name}"}
+                                             "/metrics", "/tokenize", "/detokenize", "/mii/{deployment_name}",
+                                             "/engine_plan", "/"}
     if mode is GenerationMode.NEGATIVE:  # a GET route here takes no input that could be invalid
         operations = [op for op in operations if op.method.upper() == "POST"]
     calls = []
