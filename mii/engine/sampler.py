@@ -94,8 +94,10 @@ def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
 def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """-inf at the tokens of `rows` that `allowed` ([C, V] bool) does not allow; other rows are untouched. Costs
     O(C * V), nothing for rows without a constraint."""
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    ninf = torch.tensor(float("-inf"), device=logits.device)
+    if allowed.shape[0] == logits.shape[0]:  # every row constrained (rows are 0..S-1, in order)
+        return torch.where(allowed, logits, ninf)
+    return logits.index_copy(0, rows, torch.where(allowed, logits.index_select(0, rows), ninf))
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
