@@ -172,3 +172,22 @@ def test_constraints_over_grpc(deployment):
     with pytest.raises(ValidationError) as e:
         deployment.generate("x", grammar="start: nothing", max_new_tokens=3)
     assert e.value.field == "grammar"
+
+
+def test_constraints_with_grpcio(deployment):
+    """MII's wire format as any gRPC client writes it: a schema as JSON text, a bad regex INVALID_ARGUMENT."""
+    import grpc
+
+    from mii.serving.protocol import pb2, pb2_grpc
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    with grpc.insecure_channel(deployment.address) as channel:
+        stub = pb2_grpc.ModelResponseStub(channel)
+        kw = {"json_schema": pb2.Value(svalue=json.dumps(schema)), "max_new_tokens": pb2.Value(ivalue=40)}
+        reply = stub.GeneratorReply(pb2.MultiStringRequest(request=["x"], query_kwargs=kw), timeout=60)
+        assert json.loads(reply.response[0].response)["ok"] in (True, False)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GeneratorReply(pb2.MultiStringRequest(request=["x"], query_kwargs={"regex": pb2.Value(svalue="(")}),
+                                timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("regex:")
