@@ -133,20 +133,22 @@ class DecoderModel(nn.Module):
     def fuse_stack(self) -> bool:
         """Run every decoder layer in one `mii::decoder_stack` call (mii's CPU kernels, once the model runner
         has bound the KV cache and set the fused ops) when they are all pre-norm RMSNorm layers with fused qkv,
-        rotary, kernel attention and a gated SiLU MLP, unsharded and not prepacked for oneDNN; the C++ loop runs the
-        same kernels in the same order as the layers below. Returns whether it does."""
+        optional q/k RMSNorm, rotary, kernel attention and a gated SiLU MLP, unsharded and not prepacked for
+        oneDNN; the C++ loop runs the same kernels in the same order as the layers below. Returns whether it does."""
         params, caches, windows = [], [], []
         none = torch.empty(0)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            qk_norms = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else ()
             linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
             if not (layer.block == "pre_norm" and all(isinstance(n, RMSNorm) and n.fused for n in norms)
-                    and attn.q_norm is None and attn.rotary is not None and attn.rotary.fused
+                    and attn.rotary is not None and attn.rotary.fused
                     and attn.attn.backend == "kernel" and attn.attn.k_cache is not None
                     and isinstance(mlp, MLP) and mlp.gated and mlp.fused and mlp.act is F.silu
                     and all(m is not None and m.packed is None and getattr(m, "tp_size", 1) == 1 for m in linears)
-                    and {(n.eps, n.offset) for n in norms} == {(self.layers[0].input_layernorm.eps,
+                    and all(isinstance(n, RMSNorm) and n.fused for n in qk_norms)
+                    and {(n.eps, n.offset) for n in norms + qk_norms} == {(self.layers[0].input_layernorm.eps,
                                                                 self.layers[0].input_layernorm.offset)}):
                 self.stack = None
                 return False
@@ -154,7 +156,7 @@ class DecoderModel(nn.Module):
                 if norm is not None:
                     params.append(norm.weight)
                 params += [linear.weight, none if linear.bias is None else linear.bias]
-            params += [attn.rotary.cos, attn.rotary.sin]
+            params += [attn.rotary.cos, attn.rotary.sin] + ([n.weight for n in qk_norms] if qk_norms else [none, none])
             caches += [attn.attn.k_cache, attn.attn.v_cache]
             windows.append(attn.attn.window or 0)
         first, a = self.layers[0], self.layers[0].self_attn

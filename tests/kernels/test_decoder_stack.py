@@ -1,10 +1,10 @@
 """mii::decoder_stack (all pre-norm decoder layers of a step in one C++ call) against the layers' own forward on
 the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
-variant it covers (Llama with a tied, tiled bf16 LM head; Qwen2's qkv bias; Mistral's sliding window; fp32
-weights); and the architectures it does not cover keep the layers."""
+variant it covers (Llama with a tied, tiled bf16 LM head; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
+sliding window; fp32 weights); and the architectures it does not cover keep the layers."""
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, PhiConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, PhiConfig, Qwen2Config, Qwen3Config
 
 import mii
 from mii import kernels
@@ -17,6 +17,7 @@ VOCAB = 49152
 CASES = {
     "llama-tied-bf16w": (LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, **TINY), "auto"),
     "qwen2-qkv-bias": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto"),
+    "qwen3-qk-norm": (Qwen3Config(vocab_size=VOCAB, head_dim=16, **TINY), "auto"),
     "mistral-window-fp32": (MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), "float32"),
 }
 
