@@ -12,6 +12,7 @@ and parses nothing.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -244,13 +245,21 @@ class ChoiceParser:
     def _delta(self, events) -> dict:
         delta: dict = {}
         for kind, value in events:
-            if kind == "tool_call":
+            if kind in ("tool_call", "call_start"):
                 if self.calls and not self.parallel:
                     continue  # parallel_tool_calls=false: the first call only
+                name, arguments = (value.name, value.arguments) if kind == "tool_call" else (value, "")
                 call = {"index": len(self.calls), "id": tool_parsers.call_id(self.id_style), "type": "function",
-                        "function": {"name": value.name, "arguments": value.arguments}}
+                        "function": {"name": name, "arguments": arguments}}
                 self.calls.append(call)
-                delta.setdefault("tool_calls", []).append(call)
+                delta.setdefault("tool_calls", []).append(copy.deepcopy(call))
+            elif kind == "call_arguments":  # more of the last call's arguments
+                self.calls[-1]["function"]["arguments"] += value
+                pieces = delta.setdefault("tool_calls", [])
+                if pieces and pieces[-1]["index"] == self.calls[-1]["index"]:
+                    pieces[-1]["function"]["arguments"] += value
+                else:
+                    pieces.append({"index": self.calls[-1]["index"], "function": {"arguments": value}})
             else:
                 key = "reasoning_content" if kind == "reasoning" else "content"
                 (self.reasoning if kind == "reasoning" else self.content).append(value)

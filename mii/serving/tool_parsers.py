@@ -9,6 +9,8 @@ Every parser is a small state machine fed text pieces (`feed`) and closed once (
 so a streamed answer assembles to exactly the non-streamed one, however the text was cut. A call is reported once
 it is complete (its name and arguments together); text that only might start a call's markup is held back until
 it is known, and text that looked like a call but is not one (bad JSON, no name) comes out as content unchanged.
+The one exception is a named function, whose whole answer is its arguments: they are passed on as they come
+(`("call_start", name)`, then `("call_arguments", text)` pieces).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import string
 from dataclasses import dataclass
 from typing import Optional
 
-Event = tuple  # ("content", str) | ("tool_call", ToolCall)
+Event = tuple  # ("content", str) | ("tool_call", ToolCall) | ("call_start", name) | ("call_arguments", str)
 
 
 @dataclass(frozen=True)
@@ -273,17 +275,22 @@ class JSONArrayParser(_LeadingJSON):
 
 
 class NamedArgumentsParser(ToolParser):
-    """The output of a request that named its function: the whole answer is that function's arguments."""
+    """The output of a request that named its function: the whole answer is that function's arguments (held to
+    its schema by the constraint), passed on piece by piece as they come; cut short (finish reason "length"),
+    they are not yet a whole JSON object."""
 
     def __init__(self, name: str):
         super().__init__()
         self.name = name
+        self.started = False
 
     def _advance(self, out, final):
-        if final:
-            text, self.buf = self.buf, ""
-            call = as_call({"name": self.name, "arguments": _loads(text.strip())})
-            out.append(("tool_call", call) if call is not None else ("content", text))
+        if not self.started and (self.buf or final):
+            out.append(("call_start", self.name))
+            self.started = True
+        if self.buf:
+            out.append(("call_arguments", self.buf))
+            self.buf = ""
 
 
 def _content(out: list, text: str) -> None:

@@ -260,6 +260,20 @@ def test_plain_answers_tool_choice_none_and_parallel_false(scripted, fake):
     assert "json_object" in scripted.requests[-1][1]
 
 
+def test_named_function_arguments_stream_as_they_come(scripted, fake):
+    scripted.answers = ['{"tz": "CET"}']
+    named = {"type": "function", "function": {"name": "get_time"}}
+    whole, streamed, chunks = _both(fake, messages=HI, tools=TOOLS, tool_choice=named)
+    for r in (whole, streamed):
+        assert _calls(r.choices[0].message) == [("get_time", {"tz": "CET"})]
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert len(pieces) > 1 and pieces[0].id and pieces[0].function.name == "get_time"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments for p in pieces) == '{"tz": "CET"}'
+    assert scripted.requests[-1][1]["json_schema"] == TIME["function"]["parameters"]  # the constraint sent
+
+
 def test_n_choices_stream_their_own_calls(scripted, fake):
     scripted.answers = [FORMATS[0][1], "<think>hmm</think>No call here."]  # the second opens <think> itself
     with scripted.parsers("hermes", "think"):
