@@ -69,7 +69,8 @@ def test_serving_lines_per_system_and_percentile(tmp_path):
     assert list(lines["mii (effective 1 req/s) p99"].get_ydata()) == [900, 1500, 9000]
     assert list(lines["peer p50"].get_xdata()) == [0.5, 2.0]  # the rate without answers is left out
     assert lines["peer p99"].get_linestyle() == "--" and lines["peer p50"].get_linestyle() == "-"
-    assert lines["peer p50"].get_color() == lines["peer p99"].get_color() != lines["mii (effective 1 req/s) p50"].get_color()
+    mii_color = lines["mii (effective 1 req/s) p50"].get_color()
+    assert lines["peer p50"].get_color() == lines["peer p99"].get_color() != mii_color
     assert [list(line.get_ydata()) for line in tpot.get_lines()] == [[40, 55, 120], [60, 90, 200], [30, 150], [50, 260]]
     assert [t.get_text() for t in ttft.get_xticklabels()] == ["0.5", "1", "all at once"]
     assert ttft.get_xscale() == "log" and ttft.get_yscale() == "log"

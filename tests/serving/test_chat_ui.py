@@ -168,6 +168,31 @@ def test_model_output_is_shown_as_text(page, base_url):
     assert page.evaluate("window.pwned") is None
 
 
+def test_errors_are_shown_and_the_conversation_goes_on(page, base_url):
+    sent = _chat_requests(page)
+    page.goto(f"{base_url}/")
+    page.wait_for_function("() => document.getElementById('status').textContent === 'ready'")
+    page.fill("#temperature", "5")  # the server's 400 names the field
+    text, stats, done = _ask(page, "Hello", 1)
+    assert (text, done) == ("", "error") and stats.startswith("error: temperature: ")
+    assert "less than or equal to 2" in stats
+    assert page.text_content("#status") == "error"
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "3")
+    second = _ask(page, "Hi", 2)
+    assert second[2] in ("length", "stop"), second
+    assert sent[-1][0]["messages"] == [{"role": "user", "content": "Hi"}]  # the refused question is not in it
+    # an error event inside the stream (after the 200) ends the reply with the server's message
+    events = [{"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}]},
+              {"error": {"message": "replica 0 went away", "type": "service_unavailable", "param": None,
+                         "code": "unavailable"}}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    text, stats, done = _ask(page, "More", 3)
+    assert (text, done) == ("partial", "error") and stats.endswith("error: replica 0 went away")
+
+
 @pytest.fixture(scope="module")
 def keyed_cli(tiny_model, tmp_path_factory):
     """`mii serve` (the command) on the tiny model, one replica, behind an API key read from a file."""
