@@ -233,7 +233,12 @@ def keyed_cli(tiny_model, tmp_path_factory):
 
 def test_with_an_api_key_the_page_asks_for_it(page, keyed_cli):
     assert httpx.get(f"{keyed_cli}/v1/models", timeout=30).status_code == 401
-    assert httpx.get(f"{keyed_cli}/", timeout=30).status_code == 200  # the page itself is open
+    r = httpx.get(f"{keyed_cli}/", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")  # the page itself is open
+    # nothing from elsewhere, and no script but the page's own (its hash) runs in it
+    csp = dict(d.strip().split(" ", 1) for d in r.headers["content-security-policy"].split(";"))
+    assert csp["default-src"] == "'none'" and csp["connect-src"] == "'self'"
+    assert re.fullmatch(r"'sha256-[A-Za-z0-9+/=]{44}'", csp["script-src"])
     sent = _chat_requests(page)
     page.goto(f"{keyed_cli}/")
     page.wait_for_selector("#key-overlay:not([hidden])")
