@@ -119,7 +119,7 @@ def from_value(v) -> Any:
 def make_request(prompts: list, kwargs: dict, chat: bool = False):
     """A `MultiStringRequest`: MII's `request` field when every prompt is text, else mii's `prompts`. `chat`: the
     text prompts were rendered by the chat template (their special tokens are in them)."""
-    kw = {k: to_value(v, k) for k, v in kwargs.items()}
+    kw = {k: to_value(_schema_text(v) if k == "json_schema" else v, k) for k, v in kwargs.items()}
     if all(isinstance(p, str) for p in prompts):
         return pb2.MultiStringRequest(request=prompts, query_kwargs=kw, chat=chat)
     for i, p in enumerate(prompts):
@@ -127,6 +127,19 @@ def make_request(prompts: list, kwargs: dict, chat: bool = False):
             raise errors.ValidationError(f"prompts[{i}]", "a token id is out of range (a 64-bit signed integer)")
     items = [pb2.Prompt(text=p) if isinstance(p, str) else pb2.Prompt(token_ids=pb2.TokenIds(ids=p)) for p in prompts]
     return pb2.MultiStringRequest(prompts=items, query_kwargs=kw, chat=chat)
+
+
+def _schema_text(value):
+    """A JSON schema (or a per-prompt list of them) as JSON text: a protobuf map does not keep the order of its keys,
+    and the engine generates an object's properties in its schema's order."""
+    if isinstance(value, list):
+        return [_schema_text(v) for v in value]
+    if isinstance(value, dict):
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError):  # not JSON: to_value or the engine says what is wrong with it
+            return value
+    return value
 
 
 TRANSPORT_KWARGS = frozenset({"stream"})

@@ -36,7 +36,9 @@ def test_response_format_json_schema_20_samples(oai, model_id):
     assert len(r.choices) == 20
     for c in r.choices:
         assert c.finish_reason == "stop", c.message.content
-        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+        value = json.loads(c.message.content)
+        jsonschema.validate(value, SCHEMA)
+        assert list(value) == [k for k in SCHEMA["properties"] if k in value]  # the schema's order, kept on the wire
     assert len({c.message.content for c in r.choices}) > 10
     tokens = oai.completions.create(model=model_id, prompt="x", max_tokens=1)  # usage: the sum of what was made
     assert tokens.usage.completion_tokens == 1
