@@ -228,7 +228,7 @@ class Deployment:
         ready = Path(spec["ready_file"])
         if ready.is_file():
             info = json.loads(ready.read_text())
-            self.served.plans[index] = info.get("plan")  # a restarted replica's replaces the dead one's
+            self.served.plans[index] = {"pid": info["pid"], "plan": info.get("plan")}  # replaces a dead one's
             return Replica(index, f"127.0.0.1:{info['port']}", proc)
         if proc.poll() is not None:
             error = read_error(spec["error_file"])

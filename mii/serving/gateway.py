@@ -60,7 +60,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         """What `mii explain` shows, for each replica of this deployment."""
         require_ready(model)
         return {"model": model.name, "deployment": model.deployment_name,
-                "replicas": [{"replica": i, "plan": plan} for i, plan in sorted(model.plans.items()) if plan]}
+                "replicas": [{"replica": i, **p} for i, p in sorted(model.plans.items()) if p["plan"]]}
 
     @app.post("/tokenize", **documented(schemas.TokenizeResponse, schemas.TokenizeRequest))
     async def tokenize(request: Request):

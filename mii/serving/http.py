@@ -40,7 +40,8 @@ class ServedModel:
     reasoning_parser: Optional[str] = None
     """The format of the model's reasoning (`mii.serving.reasoning.PARSERS`); None: none is split off."""
     plans: dict = field(default_factory=dict)
-    """Each replica's engine plan (index → `EnginePlan.as_dict()`), as its process reported when ready."""
+    """Each replica's engine plan (index → {"pid", "plan": `EnginePlan.as_dict()`}), as its process reported when
+    ready."""
 
     def matches(self, model: Optional[str]) -> bool:
         return model is None or model == self.name or model in self.aliases

@@ -251,6 +251,7 @@ class EnginePlan(BaseModel):
 
 class ReplicaPlan(BaseModel):
     replica: int
+    pid: int = Field(description="the replica's process (a restarted replica reports its plan again)")
     plan: EnginePlan
 
 

@@ -80,6 +80,8 @@ def test_chat_streams_the_servers_answer_and_keeps_the_conversation(page, base_u
     # the engine plan, as each replica reported it; the KV cache size agrees with /metrics
     plans = httpx.get(f"{base_url}/engine_plan", timeout=30).json()
     assert [r["replica"] for r in plans["replicas"]] == [0, 1] and plans["deployment"] == deployment.deployment_name
+    assert {r["replica"]: r["pid"] for r in plans["replicas"]} == {r["index"]: r["pid"]
+                                                                   for r in deployment.record["replicas"]}
     plan = plans["replicas"][0]["plan"]
     assert (plan["device"], plan["dtype"], plan["kv_block_size"], plan["max_context"]) == ("cpu", "float32", 16, 1024)
     blocks = metric(httpx.get(f"{base_url}/metrics", timeout=30).text, "mii_kv_cache_blocks_total")

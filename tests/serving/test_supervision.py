@@ -169,4 +169,6 @@ def test_fault_under_load(pressured, url, tiny_model):
         assert pressured.generate("after", max_new_tokens=3)[0].generated_length == 3
     stats = {s.replica: s for s in pressured.engine_stats()}
     assert stats[victim["index"]].alive and stats[victim["index"]].pid == new_pid
+    plans = {r["replica"]: r for r in httpx.get(f"{url}/engine_plan", timeout=10).json()["replicas"]}
+    assert sorted(plans) == [0, 1] and plans[victim["index"]]["pid"] == new_pid  # the new process's plan
     assert stats[victim["index"]].requests_total > 0
