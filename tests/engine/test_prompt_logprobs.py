@@ -63,4 +63,5 @@ def test_a_preempted_prompt_is_scored_once(tiny):
     for a, b in zip(tight, free):
         assert len(a.prompt_logprobs) == 30
         assert [x["token_id"] for x in a.prompt_logprobs] == [x["token_id"] for x in b.prompt_logprobs]
-        assert all(abs(x["logprob"] - y["logprob"]) < 1e-4 for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
+        pairs = zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-4 for x, y in pairs)

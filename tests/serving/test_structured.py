@@ -82,9 +82,9 @@ def test_streamed_constraints_on_both_routes(oai, model_id):
     whole = oai.chat.completions.create(model=model_id, messages=CHAT, seed=5, max_tokens=300, response_format={
         "type": "json_schema", "json_schema": {"name": "u", "schema": SCHEMA}})
     assert whole.choices[0].message.content == text and whole.usage.completion_tokens == usage.completion_tokens
-    pieces = [c.choices[0].text for c in oai.completions.create(
-        model=model_id, prompt="id:", stream=True, max_tokens=20, seed=2, extra_body={"guided_regex": r"[a-f]{4}-\d{2}"})
-        if c.choices]
+    stream = oai.completions.create(model=model_id, prompt="id:", stream=True, max_tokens=20, seed=2,
+                                    extra_body={"guided_regex": r"[a-f]{4}-\d{2}"})
+    pieces = [c.choices[0].text for c in stream if c.choices]
     assert re.fullmatch(r"[a-f]{4}-[0-9]{2}", "".join(pieces))
 
 
