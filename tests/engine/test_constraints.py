@@ -7,14 +7,12 @@ import re
 
 import jsonschema
 import pytest
-from transformers import LlamaConfig
 
 import mii
 from mii.engine.constraints import Constraint, GrammarCompiler
 from mii.errors import ValidationError
-from tests.reference import TINY, prompts_for, tiny_checkpoint
-
-VOCAB = 49152
+from tests.engine.conftest import VOCAB
+from tests.reference import prompts_for
 
 SCHEMA = {
     "type": "object",
@@ -31,18 +29,6 @@ SCHEMA = {
     "required": ["name", "age", "role", "tags", "address"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tokenizer_dir):
-    return tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path_factory.mktemp("llama"), tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny):
-    p = mii.pipeline(str(tiny), dtype="float32")
-    yield p
-    p.destroy()
 
 
 def test_json_schema_on_a_random_model(pipe):

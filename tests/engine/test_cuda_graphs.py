@@ -110,6 +110,8 @@ def test_engine_decode_through_graph_path_matches_eager(tmp_path, tokenizer_dir,
                         inference_engine_config={
         "state_manager": {"max_ragged_sequence_count": 4, "kv_block_size": 16, "max_ragged_batch_size": 32}})
     try:
+        if not on_gpu:  # the CPU's one-call layer stack would skip the GPU attention path patched in above
+            pipe.engine.loaded.model.model.stack = None
         kw = dict(max_new_tokens=10, do_sample=False, ignore_eos=True)
         eager = pipe(prompts, **kw)
         runner, plan = pipe.engine.runner, pipe.engine.plan

@@ -2,26 +2,12 @@
 itself, a bad seed or stop id is refused at admission, lengths past the context are typed errors, and the default
 sampling seed is fresh entropy while an explicit one reproduces."""
 import pytest
-from transformers import LlamaConfig
 
 import mii
 from mii.engine.requests import InputProcessor
 from mii.errors import EngineStepError, PromptTooLongError, ValidationError
-from tests.reference import TINY, prompts_for, tiny_checkpoint
-
-VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tokenizer_dir):
-    return tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path_factory.mktemp("llama"), tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny):
-    p = mii.pipeline(str(tiny), dtype="float32")
-    yield p
-    p.destroy()
+from tests.engine.conftest import VOCAB
+from tests.reference import prompts_for
 
 
 MARK = 666  # the seed that marks the request whose steps fail

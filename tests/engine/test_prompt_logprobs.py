@@ -2,18 +2,12 @@
 same tiny random Llama: a prompt split over several steps, and recomputed after preemption, is scored once."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 import mii
 from mii.errors import ValidationError
-from tests.reference import TINY, prompts_for, tiny_checkpoint
-
-VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tokenizer_dir):
-    return tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path_factory.mktemp("llama"), tokenizer_dir)
+from tests.engine.conftest import VOCAB
+from tests.reference import prompts_for
 
 
 def test_prompt_logprobs_equal_the_models(tiny):
