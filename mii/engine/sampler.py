@@ -6,6 +6,8 @@ exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p w
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,11 +28,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 13)
 
 
+@functools.lru_cache(maxsize=8)
+def _vocab_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """The per-vocabulary-id half of the noise's hash ([V] int64): the same every step, so computed once."""
+    return _mix32(torch.arange(vocab, device=device, dtype=torch.int64) + 0x61C88647)
+
+
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[S, V] float32 draws of Exp(1), a pure function of (seed, step, vocabulary id)."""
-    dev = seeds.device
     h = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32) ^ _mix32(steps + 0x2545F491))  # [S]
-    idx = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) + 0x61C88647)           # [V]
+    idx = _vocab_hash(vocab, seeds.device)                                                   # [V]
     x = _mix32(h.unsqueeze(1) ^ idx.unsqueeze(0))                                            # [S, V]
     u = ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))  # uniform in (0, 1): 23 bits, so 1 - u > 0 in float32
     return -torch.log(u)
