@@ -49,6 +49,20 @@ def stop(client) -> None:
     records.log_path(client.deployment_name).unlink(missing_ok=True)
 
 
+def end_serve(proc, replica_pids) -> int:
+    """SIGTERM a `mii serve` process a test started and wait for it (its exit code); if it does not end, kill its
+    process group and any of its replicas still alive (only those pids), so a failed test leaves nothing behind."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in replica_pids:
+            if records.pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def metric(text: str, name: str, **labels) -> float:
     """The sum of the samples of `name` (with these labels) in Prometheus text."""
     total = 0.0
@@ -96,3 +110,16 @@ def deployment(tiny_model):
 @pytest.fixture(scope="session")
 def base_url(deployment) -> str:
     return f"http://127.0.0.1:{deployment.record['http_port']}"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    """The official `openai` client on `deployment`'s gateway."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_id(oai):
+    return oai.models.list().data[0].id

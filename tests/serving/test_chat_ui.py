@@ -7,10 +7,8 @@ it) these tests skip, saying so."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ import openai
 import pytest
 
 from mii.serving import records
-from tests.serving.conftest import free_port, metric, unique_name, wait_until
+from tests.serving.conftest import end_serve, free_port, metric, unique_name, wait_until
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (Debian: apt-get install "
@@ -219,16 +217,9 @@ def keyed_cli(tiny_model, tmp_path_factory):
         assert wait_until(up, timeout=180, interval=0.2)
         yield base
     finally:
-        replicas = [r["pid"] for r in (records.read(name) or {}).get("replicas", [])]
-        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            end_serve(proc, [r["pid"] for r in (records.read(name) or {}).get("replicas", [])])
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            for pid in replicas:
-                if records.pid_alive(pid):
-                    os.kill(pid, signal.SIGKILL)
             log.close()
             records.log_path(name).unlink(missing_ok=True)
 

@@ -1,8 +1,6 @@
 """`mii serve` as a newcomer runs it (README): the embedded default model, a streamed chat answer over HTTP,
 `mii.client` over gRPC, and SIGTERM taking every child process with it."""
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +10,7 @@ import httpx
 
 import mii
 from mii.serving import records
-from tests.serving.conftest import free_port, unique_name
+from tests.serving.conftest import end_serve, free_port, unique_name
 
 MII = str(Path(sys.executable).parent / "mii")
 
@@ -55,16 +53,8 @@ def test_serve_default_model_then_sigterm(tmp_path):
         replica_pids = [r["pid"] for r in client.record["replicas"]]
         assert client.generate("Hello", max_new_tokens=3)[0].generated_length == 3
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            for pid in replica_pids:
-                if records.pid_alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-            log.close()
+        rc = end_serve(proc, replica_pids)
+        log.close()
     assert rc == 0
     assert replica_pids and not any(records.pid_alive(p) for p in replica_pids)
     assert records.read(name) is None

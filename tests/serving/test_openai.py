@@ -4,16 +4,6 @@ import openai
 import pytest
 
 
-@pytest.fixture(scope="module")
-def oai(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_id(oai):
-    return oai.models.list().data[0].id
-
-
 def test_models(oai, tiny_model):
     models = oai.models.list().data
     assert [m.id for m in models] == [tiny_model]

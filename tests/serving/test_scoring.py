@@ -1,17 +1,11 @@
 """Scoring through the OpenAI completions route, as lm-eval does it: echo=True with logprobs (max_tokens=0: the prompt
 alone) against transformers' logits on the deployment's tiny random Llama; streamed and whole answers agree."""
 import httpx
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 PROMPT = [17, 3000, 45, 912, 8, 77, 1204, 5, 66, 9001, 31]
-
-
-@pytest.fixture(scope="module")
-def oai(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

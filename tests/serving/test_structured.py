@@ -7,7 +7,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -15,16 +14,6 @@ from mii.errors import ValidationError
 from mii.serving import structured
 from mii.serving.http import APIError
 from tests.engine.test_constraints import SCHEMA
-
-
-@pytest.fixture(scope="module")
-def oai(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model_id(oai):
-    return oai.models.list().data[0].id
 
 
 CHAT = [{"role": "user", "content": "Describe a user as JSON."}]
