@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mii.layers.linear import check_shape, packed_linear, tiled_rows
+from mii.layers.quant import dequantize_rows, out_features, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -28,14 +29,18 @@ class VocabParallelEmbedding(nn.Module):
         param.data.copy_(part)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        # a weight tied to an LM head that mii::linear_bf16w reads is tiled (store_weights_bf16)
+        # a weight tied to an LM head that mii::linear_bf16w reads is tiled (store_weights_bf16); a quantized one
+        # is in mii/layers/quant.py's layout
+        if scheme(self.weight) is not None:
+            return dequantize_rows(self.weight, ids)
         return tiled_rows(self.weight, ids) if self.weight.dim() == 3 else F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             y = self._rows(ids)
         else:
-            rows = self.weight.shape[0] * (8 if self.weight.dim() == 3 else 1)
+            w = self.weight
+            rows = out_features(w) if scheme(w) else w.shape[0] * (8 if w.dim() == 3 else 1)
             local = ids - self.start
             inside = (local >= 0) & (local < rows)
             y = self._rows(local.clamp(0, max(rows - 1, 0))) * inside.unsqueeze(-1)

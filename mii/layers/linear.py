@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mii.errors import ModelLoadError
+from mii.layers.quant import quant_linear, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -46,9 +47,12 @@ def bf16_packable() -> bool:
 
 def packed_linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x @ module.weight.T + bias: through oneDNN's prepacked weight when there is one, through
-    `mii::linear_bf16w` when the weight is kept in bf16 for fp32 math (`store_weights_bf16`)."""
+    `mii::linear_bf16w` when the weight is kept in bf16 for fp32 math (`store_weights_bf16`), through
+    `mii::linear_quant` when it is quantized (`mii/layers/quant.py`)."""
     if module.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, module.packed, bias, "none", [], "")
+    if scheme(module.weight) is not None:
+        return quant_linear(x, module.weight, bias)
     if module.bf16_kernel:
         return torch.ops.mii.linear_bf16w(x, module.weight, bias)
     return F.linear(x, module.weight, bias)
