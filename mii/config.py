@@ -80,8 +80,20 @@ class ModelConfig(_Config):
     cuda_graphs: bool = True
     """On a GPU: capture decode steps as CUDA graphs at start (padded batch sizes; sizes and capture time in the
     engine plan) and replay them when a step fits; False runs every step eagerly. Ignored on CPU."""
+    quantization: Optional[Literal["auto", "none", "int8", "int4"]] = "auto"
+    """Weight-only quantization of the linears (`mii.loading.quantize`; CPU only): `int8` (symmetric, one scale
+    per output channel) or `int4` (a scale and an offset per group of `quantization_group` input features); the
+    activations, the LM head, the embedding and the KV cache keep their dtypes. `auto` (the default): a GGUF file
+    keeps its own quantization (Q8_0 → int8, Q4_0 / Q4_1 → int4 exactly, Q4_K → int4 with its sub-scales rounded
+    to fp16; other formats are dequantized), a float checkpoint stays unquantized. `none` (or None): every weight
+    in the model's dtype, a GGUF dequantized (`mii serve --quantization none`). The engine plan lists the bytes
+    per format."""
+    quantization_group: Optional[int] = Field(None, ge=32)
+    """Input features per scale when `quantization` quantizes a float weight: a multiple of 32; unset: 64 for
+    int4, one group per output channel for int8. A matrix whose input size it does not divide takes the largest
+    of 128/64/32 (not above it) that does, and the plan says so. A GGUF's own blocks keep their 32."""
     quantization_mode: Optional[str] = None
-    """Reserved (MII's field); only None is supported now."""
+    """Reserved (MII's field for its GPU FP6 kernels); only None: use `quantization`."""
     inference_engine_config: InferenceEngineConfig = Field(default_factory=InferenceEngineConfig)
     torch_dist_port: int = Field(29500, ge=1, le=65535)
     """Rendezvous port of the tensor-parallel group on 127.0.0.1 (replica i of a deployment uses this + i)."""
@@ -146,7 +158,20 @@ class ModelConfig(_Config):
     @classmethod
     def _no_quantization(cls, v):
         if v is not None:
-            raise ValueError(f"quantization_mode={v!r} is not supported (only None)")
+            raise ValueError(f"quantization_mode={v!r} is not supported (only None; weight-only int8/int4 on CPU "
+                             "is quantization='int8' / 'int4')")
+        return v
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _quantization(cls, v):
+        return "none" if v is None else v.lower() if isinstance(v, str) else v
+
+    @field_validator("quantization_group")
+    @classmethod
+    def _group(cls, v):
+        if v is not None and v % 32:
+            raise ValueError(f"quantization_group={v} is not a multiple of 32 (32, 64, 128, ...)")
         return v
 
 
