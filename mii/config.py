@@ -80,6 +80,10 @@ class ModelConfig(_Config):
     cuda_graphs: bool = True
     """On a GPU: capture decode steps as CUDA graphs at start (padded batch sizes; sizes and capture time in the
     engine plan) and replay them when a step fits; False runs every step eagerly. Ignored on CPU."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching: a request's leading full KV blocks already computed for an earlier request with
+    the same tokens (a system prompt, the conversation so far) are shared instead of computed again; outputs are
+    identical. False computes every prompt in full (`mii serve --no-prefix-caching`)."""
     quantization: Optional[Literal["auto", "none", "int8", "int4"]] = "auto"
     """Weight-only quantization of the linears (`mii.loading.quantize`; CPU only): `int8` (symmetric, one scale
     per output channel) or `int4` (a scale and an offset per group of `quantization_group` input features); the

@@ -31,6 +31,8 @@ class Response:
     prompt_logprobs: Optional[list] = field(default=None, compare=False)
     """With prompt_logprobs=k: per prompt token, the same dicts as `logprobs` (the prompt token's logprob given the
     tokens before it, and the k most likely there); the first token's logprob is None (nothing precedes it)."""
+    cached_tokens: int = field(default=0, compare=False)
+    """Prompt tokens found in the engine's prefix cache (not computed again) when the sequence started."""
 
     def __str__(self) -> str:
         return self.generated_text
@@ -38,4 +40,5 @@ class Response:
     def to_msg_dict(self) -> dict:
         return {"generated_text": self.generated_text, "prompt_length": self.prompt_length,
                 "generated_length": self.generated_length, "finish_reason": str(self.finish_reason),
-                "token_ids": self.token_ids, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+                "token_ids": self.token_ids, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
+                "cached_tokens": self.cached_tokens}

@@ -54,6 +54,8 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None
     """On a request's first output, with params.prompt_logprobs: (token id, logprob, {top id: logprob}) per prompt
     token; the first has logprob None (nothing precedes it)."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (not computed) when the request started."""
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Engine:
         self.config = model_config
         self.plan, self.runner = finish_plan_and_build_runner(loaded, model_config, plan, tp_group)
         plan = self.plan
-        self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size)
+        self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size, prefix_caching=plan.prefix_caching)
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)
         if self.kv.capacity_tokens < plan.max_context:  # a longer sequence could never run
             plan.max_context = self.kv.capacity_tokens
@@ -165,7 +167,7 @@ class Engine:
     def num_queued(self, requests: list[EngineRequest] = ()) -> int:
         """Sequences that would wait for room (a running slot, KV blocks) if `requests` were added now; what a
         server's `max_waiting_requests` bounds."""
-        return self.scheduler.num_queued(len(r.prompt_ids) for r in requests)
+        return self.scheduler.num_queued(Sequence(-1, list(r.prompt_ids), r.max_total) for r in requests)
 
     # --- the loop ------------------------------------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ class Engine:
             if seq.prompt_logprobs is not None and n == 1:  # the first prompt token has no logprob
                 prompt_lp = [(seq.prompt_ids[0], None, {})] + seq.prompt_logprobs
             results.append(RequestOutput(uid, text, [token], final, reason, seq.num_prompt, n, lp,
-                                         prompt_logprobs=prompt_lp))
+                                         prompt_logprobs=prompt_lp, cached_tokens=seq.num_cached_tokens or 0))
             if final:
                 self._finish(seq)
                 del self.requests[uid]

@@ -20,7 +20,7 @@ def logprob_entries(logprobs: Iterable[tuple]) -> list[dict]:
 
 class ResponseJoiner:
     """Folds stream chunks (one `Response` per sequence, text deltas) into whole responses: texts, token ids and
-    logprobs appended; counts and finish reason from the latest piece."""
+    logprobs appended; counts (cached tokens too) and finish reason from the latest piece."""
 
     def __init__(self, n: int = 0):
         self._texts: list[list[str]] = []
@@ -55,7 +55,8 @@ class ResponseJoiner:
             self._prompt_logprobs[i] = r.prompt_logprobs
 
     def responses(self) -> list[Response]:
-        return [Response("".join(text), r.prompt_length, r.generated_length, r.finish_reason, tokens, lps, plp)
+        return [Response("".join(text), r.prompt_length, r.generated_length, r.finish_reason, tokens, lps, plp,
+                         r.cached_tokens)
                 for text, tokens, lps, r, plp in zip(self._texts, self._tokens, self._logprobs, self._last,
                                                      self._prompt_logprobs)]
 
@@ -70,7 +71,7 @@ class OutputProcessor:
         self._index: dict[int, int] = {}
         self.pending: set[int] = set()
         self._started = [False] * len(requests)
-        self._latest = [self._idle(i, len(r.prompt_ids), 0, FinishReason.NONE) for i, r in enumerate(requests)]
+        self._latest = [self._idle(i, len(r.prompt_ids), 0, FinishReason.NONE, 0) for i, r in enumerate(requests)]
 
     def bind(self, uids: list[int]) -> None:
         """The engine's uids of the requests, in order."""
@@ -81,10 +82,11 @@ class OutputProcessor:
     def finished(self) -> bool:
         return not self.pending
 
-    def _idle(self, i: int, prompt_length: int, generated_length: int, reason: FinishReason) -> Response:
+    def _idle(self, i: int, prompt_length: int, generated_length: int, reason: FinishReason,
+              cached_tokens: int) -> Response:
         """A sequence's part of a chunk in which it had no news."""
         lp = [] if self.requests[i].params.logprobs is not None else None
-        return Response("", prompt_length, generated_length, reason, [], lp)
+        return Response("", prompt_length, generated_length, reason, [], lp, cached_tokens=cached_tokens)
 
     def update(self, outputs) -> dict[int, Response]:
         """Fold one step's outputs (at most one per sequence); the new piece of each sequence that had news."""
@@ -96,7 +98,8 @@ class OutputProcessor:
             if not self._started[i]:
                 text, self._started[i] = req.prefix + text, True
             lp = logprob_entries(o.logprobs) if req.params.logprobs is not None else None
-            piece = Response(text, o.prompt_length, o.generated_length, o.finish_reason, list(o.token_ids), lp)
+            piece = Response(text, o.prompt_length, o.generated_length, o.finish_reason, list(o.token_ids), lp,
+                             cached_tokens=o.cached_tokens)
             if o.prompt_logprobs is not None:
                 piece.prompt_logprobs = logprob_entries(o.prompt_logprobs)
             self.joined.add_piece(i, piece)
@@ -107,7 +110,8 @@ class OutputProcessor:
 
     def chunk(self, news: dict[int, Response]) -> list[Response]:
         """A stream chunk: one `Response` per sequence; those without news repeat their counts with empty text."""
-        return [news[i] if i in news else self._idle(i, s.prompt_length, s.generated_length, s.finish_reason)
+        return [news[i] if i in news else self._idle(i, s.prompt_length, s.generated_length, s.finish_reason,
+                                                     s.cached_tokens)
                 for i, s in enumerate(self._latest)]
 
     def responses(self) -> list[Response]:

@@ -46,6 +46,12 @@ class EnginePlan:
     """"torch", "kernel" (mii::linear_bf16w: bf16 weights, fp32 math) or oneDNN's prepacked bf16 (a label)."""
     cuda_graphs: str = ""
     """On a GPU: the captured decode batch sizes, capture time and memory, or why there are none."""
+    quantization: str = "none"
+    """Weight-only quantization of the linears (`mii.loading.quantize`): what each linear became and from what."""
+    weight_bytes: dict = field(default_factory=dict)
+    """Bytes of the weights by format ("int4 g32", "bf16", "fp32", ...), as loaded (one rank's shard)."""
+    prefix_caching: bool = True
+    """Automatic prefix caching: full KV blocks shared by content between requests (`mii.engine.kv_cache`)."""
     reasons: dict = field(default_factory=dict)
 
     @property
@@ -72,9 +78,14 @@ class EnginePlan:
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
                 ("token budget", self.max_batch_tokens), ("max sequences/step", self.max_batch_seqs),
-                ("max context", self.max_context)]
+                ("max context", self.max_context),
+                ("prefix caching", "on" if self.prefix_caching else "off")]
         if self.cuda_graphs:
             rows.append(("cuda graphs", self.cuda_graphs))
+        rows.append(("quantization", self.quantization))
+        if self.weight_bytes:
+            rows.append(("weight bytes", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in self.weight_bytes.items())
+                         + (" per rank" if self.tensor_parallel > 1 else "")))
         return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
 
 
@@ -144,7 +155,11 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
         reasons["tensor parallel"] = (f"one process per rank, {'NCCL' if device.startswith('cuda') else 'gloo'}; "
                                       "weights and KV heads sharded")
     plan = EnginePlan(device=device, dtype=dtype, num_threads=threads, tensor_parallel=cfg.tensor_parallel,
-                      reasons=reasons)
+                      prefix_caching=cfg.enable_prefix_caching, reasons=reasons)
+    reasons["prefix caching"] = (
+        "default: full KV blocks shared by a hash of their tokens and all before them; a request computes only what "
+        "the cache lacks; same outputs, sliding windows too (blocks are kept whole, masked by absolute position)"
+        if plan.prefix_caching else "off: enable_prefix_caching=False")
     plan_attention(plan)
     plan_linears(plan, auto_dtype=cfg.dtype == "auto")
     return plan

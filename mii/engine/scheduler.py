@@ -5,7 +5,9 @@ budget (`max_ragged_batch_size`) and sequence cap (`max_ragged_sequence_count`).
 (one pending token) are scheduled first, then prompt chunks, first come first served; a long prompt is split
 across steps, and a token is sampled only when a sequence's chunk reaches its last token. When KV blocks run
 out, the newest running sequence is preempted: its blocks are freed and it is recomputed later from prompt +
-generated tokens. Pure Python, tested without a model.
+generated tokens. With prefix caching, a sequence starts (or starts again) on the cached blocks of its prefix
+(`KVCacheManager.cached_prefix`), and only the tokens it still computes count against the budget and the blocks.
+Pure Python, tested without a model.
 """
 from __future__ import annotations
 
@@ -53,17 +55,17 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def num_queued(self, new_lengths: Iterable[int] = ()) -> int:
-        """Sequences that would wait for room if prompts of `new_lengths` tokens arrived now: in arrival order,
-        each waiting sequence (then each new one) takes a free running slot and the KV blocks of its tokens; from
-        the first that finds no room on, they queue. What admission bounds: a burst into an idle engine is about
-        to run, not waiting, even before the step that starts it."""
+    def num_queued(self, new: Iterable[Sequence] = ()) -> int:
+        """Sequences that would wait for room if the not yet added `new` arrived now: in arrival order, each
+        waiting sequence (then each new one) takes a free running slot and the KV blocks it needs (those of its
+        tokens less its cached prefix, `KVCacheManager.blocks_to_start`); from the first that finds no room on,
+        they queue. What admission bounds: a burst into an idle engine is about to run, not waiting, even before
+        the step that starts it."""
         slots = self.max_batch_seqs - len(self.running)
         free = self.kv.allocator.num_free
-        block = self.kv.block_size
         queued = 0
-        for n in itertools.chain((s.num_tokens for s in self.waiting), new_lengths):
-            need = -(-n // block)
+        for seq in itertools.chain(self.waiting, new):
+            need = self.kv.blocks_to_start(seq)
             if queued or slots == 0 or need > free:
                 queued += 1
             else:
@@ -122,9 +124,17 @@ class Scheduler:
         for seq in candidates:
             if budget == 0 or len(batch.chunks) == self.max_batch_seqs:
                 break
-            length = min(seq.num_pending, budget, self.kv.max_new_tokens_fitting(seq))
-            if length <= 0:
-                break  # out of blocks: later sequences wait (first come, first served)
+            if seq.status is SeqStatus.WAITING:  # it starts on the cached blocks of its prefix, if any
+                cached = self.kv.cached_prefix(seq)
+                room = self.kv.room_after(cached)
+                length = min(seq.num_tokens - len(cached) * self.kv.block_size, budget, room)
+                if length <= 0:
+                    break  # out of blocks: later sequences wait (first come, first served)
+                self.kv.start(seq, cached)
+            else:
+                length = min(seq.num_pending, budget, self.kv.max_new_tokens_fitting(seq))
+                if length <= 0:
+                    break
             self.kv.grow(seq, length)
             if seq.status is SeqStatus.WAITING:
                 self.waiting.remove(seq)
@@ -146,6 +156,7 @@ class Scheduler:
         """Advance computed counts after a forward pass and append each sampled token (keyed by seq uid)."""
         for chunk in batch.chunks:
             chunk.seq.num_computed += chunk.length
+            self.kv.commit(chunk.seq)  # its blocks now complete join the prefix cache
             token = sampled.get(chunk.seq.uid)
             if token is not None:
                 chunk.seq.token_ids.append(token)

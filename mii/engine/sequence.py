@@ -1,4 +1,5 @@
-"""One request's state as the scheduler sees it: token ids, how many are in the KV cache, its block table."""
+"""One request's state as the scheduler sees it: token ids, how many are in the KV cache, its block table, and
+what the prefix cache knows of it (its full blocks' content hashes)."""
 from __future__ import annotations
 
 import enum
@@ -33,6 +34,16 @@ class Sequence:
     prompt_logprobs: Optional[list] = None
     """With params.prompt_logprobs: (token id, logprob, {top id: logprob}) of prompt tokens 1.. as they are
     computed (a preempted sequence recomputes its prompt; only the entries not yet here are added)."""
+    cache_salt: bytes = b""
+    """Whatever besides the token ids changes the K/V of its blocks (e.g. a LoRA adapter's id): the prefix cache
+    shares blocks only between sequences with the same salt."""
+    block_hashes: list = field(default_factory=list)
+    """Content hash of each full block of `token_ids` so far (`mii.engine.kv_cache`), computed once: tokens never
+    change, so they outlive preemption."""
+    num_registered: int = 0
+    """Leading blocks of `block_table` already offered to the prefix cache (attached ones included)."""
+    num_cached_tokens: Optional[int] = None
+    """Prompt tokens found in the prefix cache when the sequence first started (None before): `cached_tokens`."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -52,6 +63,15 @@ class Sequence:
     @property
     def generated_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Most leading tokens that may come from the prefix cache: all but the last (its logits give the next token),
+        and with prompt logprobs none of the prompt positions not scored yet (position j's logits score token j + 1)."""
+        n = self.num_tokens - 1
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt - 1:
+            n = min(n, len(self.prompt_logprobs))
+        return n
 
     @property
     def num_pending(self) -> int:

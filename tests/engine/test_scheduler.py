@@ -135,12 +135,13 @@ def test_num_queued_counts_what_finds_no_room():
     into an idle engine that fits its running slots and KV blocks queues nothing."""
     kv = KVCacheManager(10, 4)  # 40 tokens
     s = Scheduler(kv, max_batch_tokens=8, max_batch_seqs=3)
-    assert s.num_queued([4, 4, 4]) == 0              # 3 slots, 3 of 10 blocks
-    assert s.num_queued([4, 4, 4, 4]) == 1           # a 4th finds no slot
-    assert s.num_queued([20, 20, 4]) == 1            # 5 + 5 blocks fill the cache
-    assert s.num_queued([20, 24, 4]) == 2            # 6 blocks do not fit; first come first served: nor does 4
+    new = lambda *lengths: [seq(100 + i, n) for i, n in enumerate(lengths)]
+    assert s.num_queued(new(4, 4, 4)) == 0           # 3 slots, 3 of 10 blocks
+    assert s.num_queued(new(4, 4, 4, 4)) == 1        # a 4th finds no slot
+    assert s.num_queued(new(20, 20, 4)) == 1         # 5 + 5 blocks fill the cache
+    assert s.num_queued(new(20, 24, 4)) == 2         # 6 blocks do not fit; first come first served: nor does 4
     for i in range(3):
         s.add(seq(i, 4))
     assert s.num_queued() == 0 and len(s.waiting) == 3  # waiting, but about to run: not queued
     run_step(s)                                          # budget 8: two start, the third still waits
-    assert len(s.running) == 2 and s.num_queued() == 0 and s.num_queued([4]) == 1
+    assert len(s.running) == 2 and s.num_queued() == 0 and s.num_queued(new(4)) == 1
