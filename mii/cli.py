@@ -71,7 +71,7 @@ def cmd_serve(args) -> int:
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
                   grpc_host=args.grpc_host, metrics_need_key=args.metrics_need_key, enable_chat_ui=not args.no_ui,
                   max_waiting_requests=args.max_waiting, api_key=_api_key(args), request_timeout=args.request_timeout,
-                  drain_timeout=args.drain_timeout)
+                  drain_timeout=args.drain_timeout, enable_prefix_caching=not args.no_prefix_caching)
     if args.deployment_name:
         kwargs["deployment_name"] = args.deployment_name
     if args.max_request_bytes is not None:
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "process list)")
     v.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too")
     v.add_argument("--no-ui", action="store_true", help="no chat page at / (then / is a 404)")
+    v.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (by default the KV of a prefix already computed for an earlier "
+                        "request, e.g. a shared system prompt, is reused)")
     v.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
                    help="largest request body (HTTP 413 beyond) or gRPC message accepted (default: 4 MiB)")
     v.add_argument("--max-waiting", type=int, default=None,

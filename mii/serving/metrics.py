@@ -21,6 +21,10 @@ class Metrics:
         self.kv_total = Gauge("mii_kv_cache_blocks_total", "KV cache blocks of the engine.", ["replica"], registry=r)
         self.preemptions = Counter("mii_num_preemptions", "Sequences preempted (blocks freed, recomputed later) "
                                    "because the KV cache ran out.", ["replica"], registry=r)
+        self.prefix_queries = Counter("mii_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (each "
+                                      "time a sequence starts, again after preemption).", ["replica"], registry=r)
+        self.prefix_hits = Counter("mii_prefix_cache_hits", "Looked-up tokens found in the prefix cache (their KV "
+                                   "reused, not computed).", ["replica"], registry=r)
         self.restarts = Counter("mii_replica_restarts", "Times the replica's process died and was started again.",
                                 ["replica"], registry=r)
         self.errors = Counter("mii_request_errors", "Requests that ended with an error, by kind (overloaded, "
@@ -38,7 +42,7 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.e2e = Histogram("mii_e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
                              buckets=_E2E, registry=r)
-        self._preemptions: dict[tuple[str, int], int] = {}
+        self._seen: dict[tuple[str, int, str], int] = {}  # (replica, pid, engine counter) -> last value read
 
     def render(self, stats) -> bytes:
         """Prometheus text, with the engine gauges set from `stats` (a list of `ReplicaStats`)."""
@@ -52,10 +56,12 @@ class Metrics:
                 self.kv_usage.labels(label).set(s.kv_cache_usage)
                 self.kv_used.labels(label).set(s.kv_blocks_used)
                 self.kv_total.labels(label).set(s.kv_blocks_total)
-                # the engine's count since its process started: a smaller one means a restarted replica
-                last = self._preemptions.get((label, s.pid), 0)
-                self.preemptions.labels(label).inc(max(0, s.num_preemptions - last))
-                self._preemptions[(label, s.pid)] = s.num_preemptions
+                # the engine's counts since its process started (a restarted replica has a new pid)
+                for counter, name in ((self.preemptions, "num_preemptions"), (self.prefix_queries,
+                                      "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits")):
+                    value, last = getattr(s, name), self._seen.get((label, s.pid, name), 0)
+                    counter.labels(label).inc(max(0, value - last))
+                    self._seen[(label, s.pid, name)] = value
         return generate_latest(self.registry)
 
     def track(self, replica: int) -> "RequestTracker":

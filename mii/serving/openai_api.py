@@ -139,9 +139,10 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _finish(reason: FinishReason) -> Optional[str]:
@@ -183,8 +184,10 @@ class OpenAICall:
         self.created = int(time.time())
 
     def usage(self, responses: list[Response]) -> dict:
-        prompt = sum(r.prompt_length for i, r in enumerate(responses) if i % self.n == 0)
-        return _usage(prompt, 0 if self.score_only else sum(r.generated_length for r in responses))
+        firsts = [r for i, r in enumerate(responses) if i % self.n == 0]  # a prompt counts once, whatever n
+        return _usage(sum(r.prompt_length for r in firsts),
+                      0 if self.score_only else sum(r.generated_length for r in responses),
+                      sum(r.cached_tokens for r in firsts))
 
     def token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])

@@ -178,7 +178,8 @@ def to_reply(r: Response, time_taken: float = 0.0):
                                      prompt_tokens=r.prompt_length, generated_tokens=r.generated_length,
                                      time_taken=time_taken, token_ids=r.token_ids or (), logprobs=logprobs,
                                      has_logprobs=r.logprobs is not None, prompt_logprobs=prompt_logprobs,
-                                     has_prompt_logprobs=r.prompt_logprobs is not None)
+                                     has_prompt_logprobs=r.prompt_logprobs is not None,
+                                     cached_tokens=r.cached_tokens)
 
 
 def from_reply(s) -> Response:
@@ -191,7 +192,7 @@ def from_reply(s) -> Response:
         prompt_logprobs = [{"token_id": x.token_id, "logprob": None if math.isnan(x.logprob) else x.logprob,
                             "top_logprobs": dict(x.top_logprobs)} for x in s.prompt_logprobs]
     return Response(s.response, s.prompt_tokens, s.generated_tokens, FinishReason(s.finish_reason),
-                    list(s.token_ids), logprobs, prompt_logprobs)
+                    list(s.token_ids), logprobs, prompt_logprobs, s.cached_tokens)
 
 
 def from_multi_reply(reply) -> list[Response]:

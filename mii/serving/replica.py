@@ -94,6 +94,7 @@ class EngineLoop:
         return dict(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
                     kv_cache_usage=kv.usage, kv_blocks_total=kv.num_blocks,
                     kv_blocks_used=kv.num_blocks - kv.allocator.num_free, num_preemptions=self.engine.num_preemptions,
+                    prefix_cache_queries=kv.queried_tokens, prefix_cache_hits=kv.hit_tokens,
                     prompt_tokens_total=self.prompt_tokens,
                     generation_tokens_total=self.generation_tokens, requests_total=self.requests)
 
