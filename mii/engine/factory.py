@@ -15,6 +15,7 @@ from mii.engine.plan import EnginePlan, plan_device
 from mii.engine.requests import InputProcessor
 from mii.errors import ValidationError
 from mii.loading import gguf_file, load_model, resolve_source
+from mii.loading.quantize import quant_spec
 from mii.parallel.group import TPGroup, active_group, start
 
 
@@ -46,9 +47,14 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
         if source.kind == "gguf":  # convert once here, before the other ranks read it
             gguf_file.cached_folder(source.path, source.name)
         tp_group = started = start(model_config.model_copy(update={"num_threads": plan.num_threads}), plan.device)
+    quant, plan.reasons["quantization"] = quant_spec(model_config.quantization, model_config.quantization_group,
+                                                     plan.device, source.kind)
     try:
         loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer,
-                            bf16_weights=plan.linear_backend == "kernel")
+                            bf16_weights=plan.linear_backend == "kernel", quantization=quant)
+        plan.weight_bytes = loaded.weight_bytes
+        if loaded.quantization is not None:
+            plan.quantization = loaded.quantization.summary()
         if tp_group is None or tp_group.rank == 0:
             engine = Engine(loaded, model_config, plan, tp_group)
             return BuiltEngine(engine.plan, loaded.tokenizer, engine=engine, tp_group=tp_group)

@@ -1,7 +1,8 @@
 """GGUF files: config, tokenizer and dequantized weights read with the `gguf` package, converted once into a
 Hugging Face folder (config.json, model.safetensors in float32, tokenizer files) in mii's cache directory, so
-later loads take the ordinary folder path and skip the slow parse. The cache key is the file's path, size and
-modification time.
+later loads take the ordinary folder path and skip the slow parse. The quantized matrices' own blocks are kept
+beside them (`gguf_blocks`), for loads that keep the file's quantization. The cache key is the file's path, size
+and modification time.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -19,8 +20,9 @@ from tqdm.auto import tqdm
 
 from mii.envs import cache_dir
 from mii.errors import ModelLoadError
+from mii.loading import gguf_blocks
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: gguf_blocks/blocks.safetensors
 
 # --- GGUF ------------------------------------------------------------------------------------------------------
 
@@ -83,7 +85,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, Optional[gguf_blocks.RawBlocks]]]:
+    """(Hugging Face name, dequantized float32 tensor, its blocks in mii's int8/int4 terms where they map)."""
     from gguf import quants
 
     permute = config["model_type"] == "llama"
@@ -100,10 +103,14 @@ def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has no known Hugging Face name")
         w = quants.dequantize(t.data, t.tensor_type)
+        raw = gguf_blocks.from_gguf(t.data, t.tensor_type.name) if len(t.shape) == 2 else None
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             heads = config["num_attention_heads"] if parts[2] == "attn_q" else config["num_key_value_heads"]
             w = _unpermute(w, heads)
-        yield name, torch.from_numpy(np.array(w, copy=True))
+            if raw is not None:  # the permutation moves whole rows: the blocks' rows move with them
+                raw = gguf_blocks.RawBlocks(raw.fmt, *(None if x is None else torch.from_numpy(_unpermute(x.numpy(), heads))
+                                                       for x in (raw.q, raw.scale, raw.offset)))
+        yield name, torch.from_numpy(np.array(w, copy=True)), raw
 
 
 def cached_folder(path: Path, name: str) -> Path:
@@ -140,9 +147,15 @@ def _convert(path: Path, out: Path, name: str) -> None:
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)
-    tensors = dict(tqdm(iter_gguf(reader, config), total=len(reader.tensors), desc=f"Converting {name} (GGUF, once)",
-                        unit="tensor", leave=False))
+    tensors, blocks = {}, {}
+    for key, w, raw in tqdm(iter_gguf(reader, config), total=len(reader.tensors),
+                            desc=f"Converting {name} (GGUF, once)", unit="tensor", leave=False):
+        tensors[key] = w
+        if raw is not None:
+            blocks[key] = raw
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    formats = dict(zip(tensors, (t.tensor_type.name for t in reader.tensors)))
+    gguf_blocks.save(blocks, formats, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

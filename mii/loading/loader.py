@@ -6,14 +6,14 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from mii.errors import ModelLoadError
 from mii.layers.linear import check_shape, prepack_cpu_bf16, store_weights_bf16
-from mii.loading import checkpoint, gguf_file
+from mii.loading import checkpoint, gguf_file, quantize
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
 from mii.models.registry import resolve
@@ -30,6 +30,10 @@ class LoadedModel:
     source: ModelSource
     prepacked: int = 0
     """Linears whose weights were re-laid out for oneDNN (bf16 on CPU)."""
+    quantization: Optional[quantize.QuantReport] = None
+    """What weight-only quantization did to each linear (`mii.loading.quantize`), when it was asked for."""
+    weight_bytes: Optional[dict] = None
+    """Bytes of the weights by format ("int4 g32", "bf16", ...), as loaded."""
 
 
 @contextlib.contextmanager
@@ -63,10 +67,12 @@ def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               tokenizer: Optional[str] = None, prepack: bool = True, bf16_weights: bool = False) -> LoadedModel:
+               tokenizer: Optional[str] = None, prepack: bool = True, bf16_weights: bool = False,
+               quantization: Optional[quantize.QuantSpec] = None) -> LoadedModel:
     """Build the model in `dtype` on `device` and load its weights. With `bf16_weights`, the linear, LM head and
     embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
-    of being prepacked for oneDNN."""
+    of being prepacked for oneDNN. With an active `quantization`, each linear's weight is packed as int8/int4 as
+    soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`."""
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
@@ -74,13 +80,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     spec, cfg = resolve(hf)
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
-    load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False))
+    quantizer = quantize.Quantizer(model, quantization, folder) if quantization and quantization.active else None
+    load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False),
+                 on_loaded=quantizer.loaded if quantizer else None)
     model.eval()
+    if quantizer:
+        quantize.check_model(model, quantization)
+        quantize.release_freed_memory()
     if bf16_weights:
         store_weights_bf16(model)
     packed = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
     tok = load_tokenizer(folder, tokenizer)
-    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed)
+    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed,
+                       quantizer.report if quantizer else None, quantize.weight_bytes(model))
 
 
 def _copy_loader(param, loaded, shard_id=None):
@@ -88,12 +100,14 @@ def _copy_loader(param, loaded, shard_id=None):
     param.data.copy_(loaded)
 
 
-def load_weights(model, tensors) -> None:
+def load_weights(model, tensors, on_loaded: Optional[Callable] = None) -> None:
     """Route (checkpoint name, tensor) pairs to parameters; fail loudly on an unknown or a missing tensor.
 
     Per pair: the model's `checkpoint_tensors` (re-layouts), `ignored_keys`, `renames`, then stacked MoE experts
     (`expert_shard`) or `packed_modules` pick the parameter and shard id its `weight_loader` receives. A parameter
-    lists the shards it needs in `shard_ids`, or they come from `packed_modules`.
+    lists the shards it needs in `shard_ids`, or they come from `packed_modules`. `on_loaded(name, param,
+    sources)` is called once a parameter has every shard it needs, with the [(checkpoint name, shard id)] that
+    filled it (weight-only quantization packs it then).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
@@ -104,6 +118,7 @@ def load_weights(model, tensors) -> None:
     if model.cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     seen: dict[str, set] = {}
+    sources: dict[str, list] = {}
     for raw_name, raw_tensor in tensors:
         for name, tensor in model.checkpoint_tensors(raw_name, raw_tensor):
             if any(name.endswith(k) for k in model.ignored_keys):
@@ -130,6 +145,9 @@ def load_weights(model, tensors) -> None:
             except ModelLoadError as e:
                 raise ModelLoadError(f"{name}: {e}") from None
             seen.setdefault(pname, set()).add(shard)
+            sources.setdefault(pname, []).append((name, shard))
+            if on_loaded is not None and seen[pname] >= expected.get(pname, {None}):
+                on_loaded(pname, param, sources.pop(pname))
     missing = [f"{p}" + (f"[{s}]" if s is not None else "") for p, shards in expected.items()
                for s in shards if s not in seen.get(p, set())]
     if missing:
