@@ -11,6 +11,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (GPU N)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (gloo on CPU, NCCL on GPU)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only int8/int4 linears on CPU (auto: a GGUF keeps its own quantization, a float "
+                        "checkpoint none; none: every weight in the model's dtype)")
+    p.add_argument("--quantization-group", type=int, default=None, metavar="G",
+                   help="input features per scale (a multiple of 32; default 64 for int4, per channel for int8)")
+
+
+def _model_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel,
+                quantization=args.quantization, quantization_group=args.quantization_group)
 
 
 def _split_model_prompt(values: list[str]) -> tuple[str | None, str]:
@@ -25,7 +35,7 @@ def cmd_generate(args) -> int:
     import mii
 
     model, prompt = _split_model_prompt(args.args)
-    pipe = mii.pipeline(model, dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel)
+    pipe = mii.pipeline(model, **_model_kwargs(args))
     if not args.raw and getattr(pipe.tokenizer, "chat_template", None):
         prompt = pipe.apply_chat_template([{"role": "user", "content": prompt}])
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
@@ -40,7 +50,7 @@ def cmd_generate(args) -> int:
 def cmd_explain(args) -> int:
     import mii
 
-    pipe = mii.pipeline(args.model, dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel)
+    pipe = mii.pipeline(args.model, **_model_kwargs(args))
     print(pipe.engine_plan.describe())
     return 0
 
@@ -66,8 +76,7 @@ def cmd_serve(args) -> int:
     from mii.serving import deployment
     from mii.serving.launch import build_mii_config
 
-    kwargs = dict(dtype=args.dtype, device=args.device, replica_num=args.replicas, port_number=args.grpc_port,
-                  tensor_parallel=args.tensor_parallel,
+    kwargs = dict(**_model_kwargs(args), replica_num=args.replicas, port_number=args.grpc_port,
                   enable_restful_api=True, restful_api_host=args.host, restful_api_port=args.port,
                   grpc_host=args.grpc_host, metrics_need_key=args.metrics_need_key, enable_chat_ui=not args.no_ui,
                   max_waiting_requests=args.max_waiting, api_key=_api_key(args), request_timeout=args.request_timeout,
