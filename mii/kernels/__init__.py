@@ -35,7 +35,7 @@ from mii.envs import cache_dir, cpu_flags
 log = logging.getLogger("mii")
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp",
-                                                  "decoder_cpu.cpp")]
+                                                  "quant_cpu.cpp", "decoder_cpu.cpp")]
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "

@@ -20,18 +20,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t max_query_len,
                                double scale, int64_t window);
 at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 namespace {
 
 constexpr int64_t kPerLayer = 14;  // parameters per layer (see decoder_stack_cpu)
 
-// x @ w.T + b, the way the layer's linear computes it: mii::linear_bf16w for a bf16 weight under fp32 math (or a
-// tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
+// x @ w.T + b, the way the layer's linear computes it: mii::linear_quant for a quantized weight (int4: uint8,
+// int8: int8, both 3-D), mii::linear_bf16w for a bf16 weight under fp32 math (or a tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
 // under tensor parallelism): `bias_after` does the same, so the rounding is the eager one.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool bias_after = false) {
   const bool has_bias = b.defined() && b.numel() > 0;
   const c10::optional<at::Tensor> bias = has_bias && !bias_after ? c10::optional<at::Tensor>(b) : c10::nullopt;
-  at::Tensor y = w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
+  const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
+  at::Tensor y = quantized ? linear_quant_cpu(x, w, bias)
+                 : w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
                      ? linear_bf16w_cpu(x, w, bias)
                      : at::linear(x, w, bias);
   return has_bias && bias_after ? y + b : y;

@@ -7,9 +7,8 @@ and one pass over the input row serves two output rows. A group is `G` consecuti
 
 - **int4** — `torch.uint8 [N/2, K/G, 8 + G]`: per row pair and group, 8 bytes of fp16 `[s_a, s_b, m_a, m_b]`
   then G/32 chunks of 32 bytes (16 for row a, 16 for row b). Weight = s * q + m with q in 0..15, so GGUF's
-  Q4_1 (d, m) and Q4_0 (d, -8d) map exactly. A row's 16 bytes are four little-endian 32-bit lanes; bits
-  [4j, 4j+4) of lane i hold the weight at column 4j + i of the chunk, so shifting a lane register by 4j and
-  masking yields 4 consecutive columns as int32.
+  Q4_1 (d, m) and Q4_0 (d, -8d) map exactly. A row's 16 bytes hold its chunk's 32 columns as GGUF does: byte b
+  is column b (low nibble) and column b + 16 (high nibble).
 - **int8** — `torch.int8 [N/2, K/G, 8 + 2G]`: per row pair and group, 8 bytes (fp16 `[s_a, s_b]`, 4 zero bytes)
   then row a's G values and row b's G values. Weight = s * q, so GGUF's Q8_0 (G = 32) maps exactly.
 
@@ -66,9 +65,8 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tor
     check_layout(n, k, g)
     if q.min() < 0 or q.max() > 15:
         raise ValueError("int4 values must be in 0..15")
-    # a chunk's 32 columns as [lane i][slot j] → byte (i, b) = slot 2b | slot 2b+1 << 4
-    c = q.to(torch.uint8).view(n, k // 32, 8, 4).transpose(2, 3).reshape(n, k // 32, 4, 4, 2)
-    data = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 2, 2, groups, g // 32, 16)
+    c = q.to(torch.uint8).view(n, k // 32, 2, 16)  # a chunk's columns 0-15 (low nibbles) and 16-31 (high)
+    data = (c[:, :, 0] | (c[:, :, 1] << 4)).view(n // 2, 2, groups, g // 32, 16)
     data = data.permute(0, 2, 3, 1, 4).reshape(n // 2, groups, g)  # per chunk: row a's 16 bytes, row b's
     so = torch.stack([_fp16(scale).view(n // 2, 2, groups, 2), _fp16(offset).view(n // 2, 2, groups, 2)], 1)
     head = so.permute(0, 3, 1, 2, 4).reshape(n // 2, groups, 8)  # [s_a, s_b, m_a, m_b]
@@ -96,9 +94,9 @@ def unpack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.
         head = raw[..., :8].contiguous().view(torch.float16).float()  # [pairs, groups, 4]
         scale = head[..., :2].permute(0, 2, 1).reshape(n, groups)
         offset = head[..., 2:].permute(0, 2, 1).reshape(n, groups)
-        data = raw[..., 8:].reshape(pairs, groups, g // 32, 2, 4, 4)  # [.., row, lane i, byte b]
-        nib = torch.stack([data & 15, data >> 4], -1).view(pairs, groups, g // 32, 2, 4, 8)  # slot j = 2b + hi
-        q = nib.permute(0, 3, 1, 2, 5, 4).reshape(n, groups * g)  # column 4j + i
+        data = raw[..., 8:].reshape(pairs, groups, g // 32, 2, 16)  # [.., row of the pair, byte]
+        nib = torch.stack([data & 15, data >> 4], -2)  # [.., row, low/high, byte] = column 16 * high + byte
+        q = nib.permute(0, 3, 1, 2, 4, 5).reshape(n, groups * g)
         return q, scale, offset
     head = raw[..., :4].contiguous().view(torch.float16).float()  # [pairs, groups, 2]
     scale = head.permute(0, 2, 1).reshape(n, groups)
@@ -155,8 +153,8 @@ def quant_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torc
 
 
 def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ dequantize(w).T + bias: the C++ kernel on CPU with fp32 activations, else the reference."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and hasattr(torch.ops.mii, "linear_quant") \
-            and torch._C._dispatch_has_kernel_for_dispatch_key("mii::linear_quant", "CPU"):
+    """x @ dequantize(w).T + bias: the C++ kernel (fp32 math) on CPU once mii's CPU kernels are loaded, else the
+    reference."""
+    if x.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::linear_quant", "CPU"):
         return torch.ops.mii.linear_quant(x, w, bias)
     return quant_linear_reference(x, w, bias)

@@ -1,0 +1,341 @@
+// y = x @ dequantize(w).T + bias for weight-only quantized w: mii::linear_quant. The layouts are
+// mii/layers/quant.py's: a pair of output rows at a time, group after group, each group led by its fp16 scales
+// (int4 also offsets), so the whole matrix is one sequential stream.
+// - Up to kGemvRows rows of x (decode): x is rounded to int16 per 32 columns (scale = max |x| / 32767, an error
+//   under 2^-15 of the chunk's largest value: far below bf16's 2^-9), so that the weights are multiplied as
+//   integers: `vpmaddwd` does 16 multiply-adds in one instruction where widening every weight to fp32 takes three
+//   instructions per 8. Each chunk's int32 sums are scaled once (x's scale, then the group's weight scale), and
+//   int4's offsets add m * sum(x) per group. int4: one mask and one shift give a row pair's 64 nibbles as bytes
+//   (row a in the low 128 bits, row b in the high, as GGUF stores them: byte b is column b and column b + 16),
+//   and byte-to-int16 unpacks feed `vpmaddwd` against x's 8 columns repeated twice; int8: 16 columns of a row
+//   per sign-extending load.
+// - More rows (prompt chunks, big batches): each task dequantizes a block of rows into an fp32 buffer that stays
+//   in cache and multiplies it with ATen's fp32 GEMM.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MII_QAVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kGemvRows = 16;    // rows of x handled by the streaming kernel; more go through blocked GEMM
+constexpr int64_t kGemmPairs = 64;   // row pairs dequantized at a time for the GEMM path
+constexpr int64_t kPrefetch = 1024;  // bytes ahead
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+struct Layout {
+  bool int4;
+  int64_t pairs, groups, G, block;  // block: bytes per (pair, group)
+  int64_t N() const { return pairs * 2; }
+  int64_t K() const { return groups * G; }
+};
+
+Layout layout_of(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar),
+              "linear_quant: the weight must be packed int4 (uint8 [N/2, K/G, 8 + G]) or int8 (int8 [N/2, K/G, 8 + 2G])");
+  const bool int4 = w.scalar_type() == at::kByte;
+  const int64_t block = w.size(2), G = int4 ? block - 8 : (block - 8) / 2;
+  TORCH_CHECK(G > 0 && G % 32 == 0 && (int4 || block == 8 + 2 * G), "linear_quant: bad group size in the layout");
+  return {int4, w.size(0), w.size(1), G, block};
+}
+
+// --- scalar reference of one weight element (portable path and the GEMM path's dequantization) ------------------
+
+inline float int4_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
+  const float s = half_to_float(blk + 2 * row), m = half_to_float(blk + 4 + 2 * row);
+  const uint8_t byte = blk[8 + (col / 32) * 32 + row * 16 + col % 16];
+  const int q = (col % 32 >= 16) ? byte >> 4 : byte & 15;
+  return s * static_cast<float>(q) + m;
+}
+
+inline float int8_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
+  const float s = half_to_float(blk + 2 * row);
+  return s * static_cast<float>(reinterpret_cast<const int8_t*>(blk + 8 + row * G)[col]);
+}
+
+// rows of pairs p0 .. p0+count-1 -> row-major fp32 [2 * count, K]
+void dequant_pairs(const uint8_t* w, const Layout& L, int64_t p0, int64_t count, float* dst) {
+  const int64_t K = L.K();
+  for (int64_t p = p0; p < p0 + count; ++p) {
+    for (int64_t g = 0; g < L.groups; ++g) {
+      const uint8_t* blk = w + (p * L.groups + g) * L.block;
+      for (int row = 0; row < 2; ++row) {
+        float* out = dst + ((p - p0) * 2 + row) * K + g * L.G;
+#ifdef MII_QAVX2
+        const __m256 s = _mm256_set1_ps(half_to_float(blk + 2 * row));
+        if (L.int4) {
+          const __m256 m = _mm256_set1_ps(half_to_float(blk + 4 + 2 * row));
+          for (int64_t c = 0; c < L.G / 32; ++c) {
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8 + c * 32 + row * 16));
+            const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // columns 0, 8, 16, 24
+            for (int j = 0; j < 4; ++j)
+              _mm256_storeu_ps(out + c * 32 + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), s, m));
+          }
+        } else {
+          const int8_t* q = reinterpret_cast<const int8_t*>(blk + 8 + row * L.G);
+          for (int64_t k = 0; k < L.G; k += 8) {
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+            _mm256_storeu_ps(out + k, _mm256_mul_ps(v, s));
+          }
+        }
+#else
+        for (int64_t k = 0; k < L.G; ++k)
+          out[k] = L.int4 ? int4_weight(blk, L.G, row, k) : int8_weight(blk, L.G, row, k);
+#endif
+      }
+    }
+  }
+}
+
+#ifdef MII_QAVX2
+inline float hsum128(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i madd4(const __m256i* w, const int16_t* x) {  // sum over 4 (weights, x) vector pairs, int32 lanes
+  const __m256i a = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  const __m256i b = _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+  const __m256i c = _mm256_madd_epi16(w[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+  const __m256i d = _mm256_madd_epi16(w[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 48)));
+  return _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+}
+
+// x rounded to int16 per chunk of 32 columns: `scale` per (row, chunk); `q` per (row, chunk) 64 int16 — for int4
+// columns 0-7, 8-15, 16-23, 24-31 each repeated twice (the two rows of a pair sit in the two 128-bit halves), for
+// int8 columns 0-31 then 32 unused; `gsum` per (row, weight group): sum of x / 4 (int4's offsets: 4 lanes a row).
+struct XQ {
+  std::vector<int16_t> q;
+  std::vector<float> scale, gsum;
+  int64_t chunks, groups;
+  XQ(const float* x, int64_t M, int64_t K, int64_t G, bool int4) : chunks(K / 32), groups(K / G) {
+    q.resize(M * chunks * 64);
+    scale.resize(M * chunks);
+    gsum.resize(M * groups);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* xc = xm + c * 32;
+        float amax = 0.f;
+        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::abs(xc[k]));
+        const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
+        int16_t v[32];
+        for (int k = 0; k < 32; ++k) v[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));
+        int16_t* out = &q[(m * chunks + c) * 64];
+        if (int4) {
+          for (int j = 0; j < 4; ++j)
+            for (int h = 0; h < 2; ++h) std::memcpy(out + j * 16 + h * 8, v + j * 8, 16);
+        } else {
+          std::memcpy(out, v, 64);
+        }
+        scale[m * chunks + c] = s;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < G; ++k) sum += xm[g * G + k];
+        gsum[m * groups + g] = sum * 0.25f;
+      }
+    }
+  }
+  const int16_t* at(int64_t m, int64_t chunk) const { return &q[(m * chunks + chunk) * 64]; }
+};
+
+// R rows of x (R <= 4) against row pair p: y[m, 2p], y[m, 2p + 1].
+template <int R>
+inline void int4_pair(const uint8_t* pw, const Layout& L, const XQ& X, int64_t m0, float* y, int64_t N, int64_t p) {
+  const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+  const __m256i s_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), m_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t cpg = L.G / 32;  // chunks per group
+  __m256 tot[R];
+  for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < L.groups; ++g) {
+    const uint8_t* blk = pw + g * L.block;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
+    // s_a s_b m_a m_b -> [s_a x4, s_b x4] and [m_a x4, m_b x4]
+    const __m256 h = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));
+    const __m256 sv = _mm256_permutevar8x32_ps(h, s_idx), mv = _mm256_permutevar8x32_ps(h, m_idx);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < cpg; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + c * 32));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
+                            _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+      const int64_t chunk = g * cpg + c;
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd4(w, X.at(m0 + r, chunk))),
+                                 _mm256_set1_ps(X.scale[(m0 + r) * X.chunks + chunk]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      tot[r] = _mm256_fmadd_ps(acc[r], sv, tot[r]);
+      tot[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(X.gsum[(m0 + r) * X.groups + g]), tot[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[(m0 + r) * N + 2 * p] = hsum128(_mm256_castps256_ps128(tot[r]));
+    y[(m0 + r) * N + 2 * p + 1] = hsum128(_mm256_extractf128_ps(tot[r], 1));
+  }
+}
+
+inline __m256i widen16(const int8_t* q) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+}
+
+template <int R>
+inline void int8_pair(const uint8_t* pw, const Layout& L, const XQ& X, int64_t m0, float* y, int64_t N, int64_t p) {
+  const int64_t cpg = L.G / 32;
+  __m256 ta[R], tb[R];
+  for (int r = 0; r < R; ++r) ta[r] = tb[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < L.groups; ++g) {
+    const uint8_t* blk = pw + g * L.block;
+    const float sa = half_to_float(blk), sb = half_to_float(blk + 2);
+    const int8_t* qa = reinterpret_cast<const int8_t*>(blk + 8);
+    const int8_t* qb = qa + L.G;
+    for (int64_t c = 0; c < cpg; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(qa + c * 32 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qb + c * 32 + kPrefetch), _MM_HINT_T0);
+      const __m256i a0 = widen16(qa + c * 32), a1 = widen16(qa + c * 32 + 16);
+      const __m256i b0 = widen16(qb + c * 32), b1 = widen16(qb + c * 32 + 16);
+      const int64_t chunk = g * cpg + c;
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xq = X.at(m0 + r, chunk);
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+        const __m256i ia = _mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1));
+        const __m256i ib = _mm256_add_epi32(_mm256_madd_epi16(b0, x0), _mm256_madd_epi16(b1, x1));
+        const float sx = X.scale[(m0 + r) * X.chunks + chunk];
+        ta[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(sx * sa), ta[r]);
+        tb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_set1_ps(sx * sb), tb[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[(m0 + r) * N + 2 * p] = hsum128(_mm_add_ps(_mm256_castps256_ps128(ta[r]), _mm256_extractf128_ps(ta[r], 1)));
+    y[(m0 + r) * N + 2 * p + 1] = hsum128(_mm_add_ps(_mm256_castps256_ps128(tb[r]), _mm256_extractf128_ps(tb[r], 1)));
+  }
+}
+
+template <class F>
+inline void by_quads(int64_t M, F&& f) {  // f(m0, R) over rows of x in groups of up to 4
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) f(m, 4);
+  if (M - m) f(m, static_cast<int>(M - m));
+}
+#endif
+
+void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y) {
+  const int64_t N = L.N(), K = L.K(), pair_bytes = L.groups * L.block;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));  // ~64 KB a task
+#ifdef MII_QAVX2
+  const XQ X(x, M, K, L.G, L.int4);
+  if (L.int4) {
+    at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) {
+        const uint8_t* pw = w + p * pair_bytes;
+        by_quads(M, [&](int64_t m0, int R) {
+          switch (R) {
+            case 4: int4_pair<4>(pw, L, X, m0, y, N, p); break;
+            case 3: int4_pair<3>(pw, L, X, m0, y, N, p); break;
+            case 2: int4_pair<2>(pw, L, X, m0, y, N, p); break;
+            default: int4_pair<1>(pw, L, X, m0, y, N, p);
+          }
+        });
+      }
+    });
+  } else {
+    at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) {
+        const uint8_t* pw = w + p * pair_bytes;
+        by_quads(M, [&](int64_t m0, int R) {
+          switch (R) {
+            case 4: int8_pair<4>(pw, L, X, m0, y, N, p); break;
+            case 3: int8_pair<3>(pw, L, X, m0, y, N, p); break;
+            case 2: int8_pair<2>(pw, L, X, m0, y, N, p); break;
+            default: int8_pair<1>(pw, L, X, m0, y, N, p);
+          }
+        });
+      }
+    });
+  }
+#else
+  at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
+    std::vector<float> rows(2 * K);
+    for (int64_t p = b; p < e; ++p) {
+      dequant_pairs(w, L, p, 1, rows.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int row = 0; row < 2; ++row) {
+          float s = 0.f;
+          for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * rows[row * K + k];
+          y[m * N + 2 * p + row] = s;
+        }
+    }
+  });
+#endif
+}
+
+// Blocks of kGemmPairs row pairs in parallel: dequantize into a per-task buffer, then y[:, block] = x @ block.T.
+void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
+  const int64_t threads = at::get_num_threads(), K = L.K();
+  const int64_t blocks = ((L.pairs + kGemmPairs - 1) / kGemmPairs + threads - 1) / threads * threads;
+  const int64_t pairs = (L.pairs + blocks - 1) / blocks;
+  const bool inference = c10::InferenceMode::is_enabled();  // OpenMP threads do not inherit it
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    c10::InferenceMode guard(inference);
+    std::vector<float> buf(2 * pairs * K);
+    auto wt = at::from_blob(buf.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t p0 = blk * pairs, np = std::min(pairs, L.pairs - p0);
+      if (np <= 0) continue;
+      dequant_pairs(w, L, p0, np, buf.data());
+      auto out = y.narrow(1, 2 * p0, 2 * np);
+      at::mm_out(out, x, wt.narrow(0, 0, 2 * np).t());
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const Layout L = layout_of(weight);
+  const int64_t N = L.N(), K = L.K();
+  TORCH_CHECK(x.size(-1) == K, "linear_quant: x has ", x.size(-1), " features, the weight ", K);
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
+  const at::Tensor xf = x2.scalar_type() == at::kFloat && x2.is_contiguous() ? x2 : x2.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  auto y = at::empty({M, N}, xf.options());
+  if (M > 0 && N > 0) {
+    if (M > kGemvRows) {
+      blocked_gemm(xf, wp, L, y);
+    } else {
+      gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>());
+    }
+  }
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  if (x.dim() == 2) return y;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("linear_quant", &linear_quant_cpu); }
