@@ -221,6 +221,7 @@ class MIIResponse(BaseModel):
     token_ids: Optional[list[int]] = None
     logprobs: Optional[list[MIILogprob]] = None
     prompt_logprobs: Optional[list[MIIPromptLogprob]] = Field(None, description="with prompt_logprobs=k")
+    cached_tokens: int = Field(0, description="prompt tokens whose KV came from the prefix cache (not computed)")
 
 
 class Health(BaseModel):
