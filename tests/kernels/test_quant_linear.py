@@ -1,0 +1,79 @@
+"""Weight-only int8/int4 linears (`mii.layers.quant.quant_linear`: mii::linear_quant on CPU) against dequantize
+then matmul in float64, on random shapes: 1-70 rows, several groups per row, with and without bias, int8 per
+output channel and grouped, int4 in groups of 32, 64 and 128, fp32 and bf16 activations."""
+import pytest
+import torch
+
+from mii import kernels
+from mii.layers.quant import (dequantize, pack_int4, quant_linear, quant_linear_reference, quantize_int4,
+                              quantize_int8)
+
+# (rows N, inputs K, scheme, group): several groups per row; N not a multiple of 4 or 8 for the kernels' tails
+CASES = [(96, 64, "int8", None), (130, 256, "int8", 32), (66, 576, "int8", None), (64, 96, "int4", 32),
+         (98, 384, "int4", 64), (34, 1024, "int4", 128), (576, 1536, "int4", 32)]
+ROWS = [1, 2, 3, 4, 5, 7, 16, 17, 33, 70]
+
+
+def _weight(n, k, scheme, group, g):
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, : k // 3] *= 4  # groups of different ranges
+    return quantize_int8(w, group) if scheme == "int8" else quantize_int4(w, group)
+
+
+def _check(out, x, w, bias, tol):
+    """|out - x @ W.T - b| within `tol` of what the products' magnitudes allow (bf16-level rounding of them)."""
+    wd = dequantize(w).double()
+    ref = x.double() @ wd.T + (0 if bias is None else bias.double())
+    bound = tol * (x.double().abs() @ wd.abs().T) + 1e-5
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g} where the bound is {bound[err > bound].min():.3g}"
+
+
+def test_the_kernel_is_what_runs():
+    assert kernels.load_cpu_kernels() is None, kernels.load_cpu_kernels()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("mii::linear_quant", "CPU")
+
+
+@pytest.mark.parametrize("n,k,scheme,group", CASES)
+def test_matches_dequantized_matmul(n, k, scheme, group):
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = _weight(n, k, scheme, group, g)
+    b = torch.randn(n, generator=g)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, b):
+            out = quant_linear(x, w, bias)
+            assert out.shape == (m, n) and out.dtype == torch.float32
+            _check(out, x, w, bias, 2 ** -12)
+            _check(quant_linear_reference(x, w, bias), x, w, bias, 2 ** -12)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_bf16_activations(m):
+    """Where the plan computes in bf16 the linear takes and returns bf16 (fp32 math inside)."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(m)
+    for n, k, scheme, group in CASES[:5]:
+        w = _weight(n, k, scheme, group, g)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        out = quant_linear(x, w, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        _check(out, x, w, None, 2 ** -7)
+
+
+def test_full_int4_range_and_extreme_scales():
+    """Every 4-bit value, negative scales and offsets, a zero group: what GGUF files hold, not only what
+    quantize_int4 makes."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(3)
+    n, k = 32, 256
+    q = torch.randint(0, 16, (n, k), generator=g)
+    q[0, :32] = torch.arange(32) % 16
+    scale = torch.randn(n, k // 32, generator=g) * 0.01
+    offset = torch.randn(n, k // 32, generator=g) * 0.1
+    scale[1, 2] = offset[1, 2] = 0
+    w = pack_int4(q, scale, offset)
+    for m in (1, 3, 17):
+        x = torch.randn(m, k, generator=g)
+        _check(quant_linear(x, w, None), x, w, None, 2 ** -12)

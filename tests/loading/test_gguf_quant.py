@@ -1,0 +1,178 @@
+"""A GGUF file's quantized blocks kept as int8/int4 (`quantization="auto"`): the packed weights hold exactly the
+values the `gguf` package dequantizes (Q8_0, Q4_0, Q4_1), nearly for Q4_K, through fused q/k/v and gate/up and
+tensor-parallel shards; formats without a map are re-quantized (auto) and the plan says so; the model's greedy
+tokens match `transformers` on the same file."""
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import mii
+from mii.layers.linear import LinearBase
+from mii.layers.quant import dequantize, pack_int4, pack_int8, scheme
+from mii.loading import gguf_blocks, load_model, resolve_source
+from mii.loading.quantize import QuantSpec
+from mii.parallel import set_tp
+from tests.quant_reference import load_dequantized
+from tests.reference import compare_greedy, hf_greedy, prompts_for
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 256, 4, 2, 256, 49152
+EXACT = {  # layer → tensor → format: fused parameters whose parts agree on int4 or int8 (Q4_0 with Q4_1 too)
+    0: dict(attn_q=Q.Q4_0, attn_k=Q.Q4_0, attn_v=Q.Q4_0, attn_output=Q.Q8_0, ffn_gate=Q.Q4_1, ffn_up=Q.Q4_1,
+            ffn_down=Q.Q8_0),
+    1: dict(attn_q=Q.Q4_1, attn_k=Q.Q4_0, attn_v=Q.Q4_1, attn_output=Q.Q4_1, ffn_gate=Q.Q8_0, ffn_up=Q.Q8_0,
+            ffn_down=Q.Q4_0),
+}
+# formats without an exact map: Q5_0 (5 bits) inside a fused qkv, Q4_K (random blocks: the gguf package cannot
+# quantize to it), F16
+FORMATS = {**EXACT, 2: dict(EXACT[0], attn_v=Q.Q5_0, ffn_gate=Q.Q4_K, ffn_up=Q.Q4_K),
+           3: dict(EXACT[1], attn_output=Q.F16)}
+QKV2, GATE_UP2, O3 = "model.layers.2.self_attn.qkv_proj", "model.layers.2.mlp.gate_up_proj", "model.layers.3.self_attn.o_proj"
+
+
+def _q4k_blocks(rows: int, k: int, rng) -> np.ndarray:
+    """Random valid Q4_K rows: small positive fp16 d and dmin, random 6-bit scales and 4-bit values."""
+    b = rng.integers(0, 256, (rows * k // 256, 144), dtype=np.uint8)
+    for lo in (0, 2):
+        b[:, lo:lo + 2] = rng.uniform(1e-5, 1e-4, len(b)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+def write_gguf(path: Path, formats: dict, seed: int = 0) -> Path:
+    """A Llama with the embedded SmolLM2's tokenizer, its matrices in `formats`, tied embeddings (Q8_0)."""
+    src = gguf.GGUFReader(str(mii.default_model()))
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, f in src.fields.items():
+        if key.startswith("tokenizer."):
+            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    w.add_block_count(len(formats))
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_context_length(512)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name, n, k, qtype):
+        if qtype == Q.Q4_K:
+            w.add_tensor(name, _q4k_blocks(n, k, rng), raw_dtype=qtype)
+            return
+        x = (rng.standard_normal((n, k)) * 0.08).astype(np.float32)
+        x[:, : k // 4] *= 3  # groups of different ranges
+        if qtype == Q.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
+    matrix("token_embd.weight", VOCAB, HIDDEN, Q.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    head_dim = HIDDEN // HEADS
+    shapes = dict(attn_q=(HIDDEN, HIDDEN), attn_k=(KV_HEADS * head_dim, HIDDEN), attn_v=(KV_HEADS * head_dim, HIDDEN),
+                  attn_output=(HIDDEN, HIDDEN), ffn_gate=(INTER, HIDDEN), ffn_up=(INTER, HIDDEN),
+                  ffn_down=(HIDDEN, INTER))
+    for layer, fmts in formats.items():
+        w.add_tensor(f"blk.{layer}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        w.add_tensor(f"blk.{layer}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        for base, (n, k) in shapes.items():
+            matrix(f"blk.{layer}.{base}.weight", n, k, fmts[base])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", FORMATS)
+
+
+@pytest.fixture(autouse=True)
+def _one_rank():
+    yield
+    set_tp(0, 1)
+
+
+def linears(model) -> dict:
+    return {name: m.weight for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+def load(path, spec, rank=0, size=1):
+    set_tp(rank, size)
+    try:
+        return load_model(resolve_source(str(path)), torch.float32, torch.device("cpu"), quantization=spec)
+    finally:
+        set_tp(0, 1)
+
+
+AUTO = QuantSpec(None, 32, keep_file=True)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_round_trip_against_gguf(fmt):
+    """A matrix's blocks, packed in mii's layout, dequantize to what `gguf.quants.dequantize` gives: bit for bit."""
+    rng = np.random.default_rng(len(fmt))
+    x = (rng.standard_normal((6, 320)) * 0.1).astype(np.float32)
+    x[2] = 0  # an all-zero row: scale 0
+    data = gguf.quants.quantize(x, Q[fmt])
+    raw = gguf_blocks.from_gguf(data, fmt)
+    packed = pack_int8(raw.q, raw.scale.float()) if raw.offset is None else pack_int4(raw.q, raw.scale.float(),
+                                                                                       raw.offset.float())
+    assert scheme(packed) == ("int8" if fmt == "Q8_0" else "int4")
+    assert torch.equal(dequantize(packed), torch.from_numpy(gguf.quants.dequantize(data, Q[fmt])))
+
+
+@pytest.mark.parametrize("rank,size", [(0, 1), (0, 2), (1, 2)])
+def test_blocks_kept_as_the_file_holds_them(path, rank, size):
+    """Every linear of the exact formats (fused q/k/v and gate/up, each rank's shard) packed from the file's own
+    blocks holds exactly the weights the same load without quantization (the gguf package's dequantization) puts
+    there; Q4_K's nearly (scales rounded to fp16)."""
+    ref = linears(load(path, None, rank, size).model)
+    got = load(path, AUTO, rank, size)
+    report, w = got.quantization, linears(got.model)
+    assert sum(report.kept_raw.values()) == 4 * 4 - 2, report.summary()
+    assert "Q4_K (scales rounded to fp16)" in report.kept_raw, report.summary()
+    for name in w:
+        if name not in (QKV2, GATE_UP2, O3):
+            assert scheme(w[name]) is not None and torch.equal(dequantize(w[name]), ref[name]), name
+    err = (dequantize(w[GATE_UP2]) - ref[GATE_UP2]).abs()
+    assert 0 < err.max() <= 2 ** -10 * ref[GATE_UP2].abs().max()
+    assert got.weight_bytes["int4 g32"] > 0 and got.weight_bytes["int8 g32"] > 0
+
+
+def test_formats_without_a_map(path):
+    """A fused qkv with a Q5_0 part: re-quantized to int8 g32 from the file's values (auto); an F16 matrix stays
+    float; the report names each."""
+    ref = linears(load(path, None).model)
+    got = load(path, AUTO)
+    report, w = got.quantization, linears(got.model)
+    assert "re-quantized to int8 g32 from the file's Q4_0/Q5_0" in report.unquantized[QKV2 + ".weight"], report.summary()
+    assert scheme(w[QKV2]) == "int8" and scheme(w[O3]) is None and torch.equal(w[O3], ref[O3])
+    # int8 g32 from the file's values: within half a step of 1/127 of each group's largest magnitude
+    r = ref[QKV2].view(ref[QKV2].shape[0], -1, 32)
+    step = r.abs().amax(-1, keepdim=True) / 127
+    assert ((dequantize(w[QKV2]).view_as(r) - r).abs() <= step * 0.5 + 1e-6).all()
+
+
+def test_pipeline_matches_transformers_on_its_weights(path):
+    """The quantized engine (auto: the file's blocks, Q4_K nearly, Q5_0 re-quantized) against transformers' own
+    reading of the same GGUF, holding the weights mii's packed linears dequantize to."""
+    from transformers import AutoModelForCausalLM
+
+    pipe = mii.pipeline(str(path), dtype="float32")
+    try:
+        assert "from the GGUF's Q4_0 blocks" in pipe.engine_plan.quantization
+        assert sum(scheme(w) is not None for w in linears(pipe.engine.runner.model).values()) == 4 * 4 - 1
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        assert load_dequantized(hf, pipe.engine.runner.model) == 7 * 4 - 1
+        prompts = prompts_for(VOCAB, lengths=(5, 40))
+        # mii::linear_quant rounds decode rows to int16 per 32 columns (~1e-5 of a dot product's magnitude), which
+        # this random model's large logits turn into up to ~2e-3 of a log-probability
+        compare_greedy(pipe, prompts, hf_greedy(None, prompts, 12, hf_model=hf), 12, atol=1e-2)
+    finally:
+        pipe.destroy()
