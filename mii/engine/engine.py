@@ -167,7 +167,8 @@ class Engine:
     def num_queued(self, requests: list[EngineRequest] = ()) -> int:
         """Sequences that would wait for room (a running slot, KV blocks) if `requests` were added now; what a
         server's `max_waiting_requests` bounds."""
-        return self.scheduler.num_queued(Sequence(-1, list(r.prompt_ids), r.max_total) for r in requests)
+        return self.scheduler.num_queued(Sequence(-1, list(r.prompt_ids), r.max_total, prompt_logprobs=(
+            [] if r.params.prompt_logprobs is not None else None)) for r in requests)
 
     # --- the loop ------------------------------------------------------------------------------------------------
 
