@@ -16,8 +16,9 @@ from transformers import MistralConfig
 import mii
 from mii.engine.kv_cache import BlockAllocator, KVCacheManager, block_hash, root_hash
 from mii.engine.scheduler import Scheduler
-from mii.engine.sequence import Sequence, SeqStatus
+from mii.engine.sequence import Sequence
 from mii.errors import KVCacheError
+from tests.engine.conftest import VOCAB
 from tests.reference import TINY, prompts_for, tiny_checkpoint
 
 BS = 4
@@ -282,8 +283,6 @@ def _common(a: list, b: list, limit: int) -> int:
 
 
 def test_on_and_off_give_the_same_outputs(tiny):
-    from tests.engine.conftest import VOCAB
-
     on, off = _pipelines(tiny)
     try:
         assert on.engine.plan.prefix_caching and "prefix caching" in on.engine_plan.describe()
@@ -315,8 +314,6 @@ def test_on_and_off_give_the_same_outputs(tiny):
 def test_on_and_off_agree_under_preemption_and_eviction(tiny):
     """A cache of 40 blocks of 8 tokens for 24 requests of 40-110 tokens: sequences are preempted and recomputed,
     cached blocks are evicted, and the outputs are those of a run without caching."""
-    from tests.engine.conftest import VOCAB
-
     on, off = _pipelines(tiny, memory_config={"mode": "allocate", "size": 40})
     try:
         prompts = _shared_prompts(VOCAB) + _shared_prompts(VOCAB, seed=9)[:12]
@@ -333,8 +330,6 @@ def test_on_and_off_agree_under_preemption_and_eviction(tiny):
 def test_sliding_window_on_and_off_agree(tmp_path, tokenizer_dir):
     """Mistral with a 16-token window and prompts of up to 110 tokens: cached blocks are read at their absolute
     positions, so the window masks them as it would have."""
-    from tests.engine.conftest import VOCAB
-
     model = tiny_checkpoint(MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), tmp_path, tokenizer_dir)
     on, off = _pipelines(model)
     try:
