@@ -43,6 +43,11 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> t
     return -torch.log(u)
 
 
+def race_kernel(logits: torch.Tensor) -> bool:
+    """Whether mii::sample_race (mii's CPU kernels) draws this step's sampled rows."""
+    return logits.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::sample_race", "CPU")
+
+
 @dataclass
 class SamplingBatch:
     """Per-row parameters of one step, as tensors on the device (built once per step by the runner)."""
@@ -107,6 +112,24 @@ def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tenso
     return logits.index_copy(0, rows, torch.where(allowed, logits.index_select(0, rows), ninf))
 
 
+def sample_torch(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The sampled token of every row ([S] long) by tensor ops: temperature, top-p / top-k over a full sort,
+    min-p, then the exponential race (argmax of p / E). `mii::sample_race` draws the same on CPU."""
+    scaled = logits / sb.temperature.clamp(min=1e-5).unsqueeze(1)
+    if sb.needs_sort:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+        # drop a token when the mass before it already reaches top_p, or it is past top_k
+        drop = (probs.cumsum(dim=-1) - probs >= sb.top_p.unsqueeze(1)) | (rank >= sb.top_k.unsqueeze(1))
+        drop[:, 0] = False
+        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = scaled.softmax(dim=-1)
+    if sb.any_min_p:
+        probs = probs.masked_fill(probs < sb.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+    return (probs / exponential_noise(sb.seeds, sb.steps, probs.shape[1])).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] (any float dtype) → one token per row. Logprobs are those of the model's distribution
     (before penalties, logit_bias and constraints)."""
@@ -125,19 +148,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
         logits = apply_allowed(logits, sb.constrained_rows, sb.allowed)
     tokens = logits.argmax(dim=-1)
     if not sb.all_greedy:
-        scaled = logits / sb.temperature.clamp(min=1e-5).unsqueeze(1)
-        if sb.needs_sort:
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
-            # drop a token when the mass before it already reaches top_p, or it is past top_k
-            drop = (probs.cumsum(dim=-1) - probs >= sb.top_p.unsqueeze(1)) | (rank >= sb.top_k.unsqueeze(1))
-            drop[:, 0] = False
-            scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = scaled.softmax(dim=-1)
-        if sb.any_min_p:
-            probs = probs.masked_fill(probs < sb.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
-        sampled = (probs / exponential_noise(sb.seeds, sb.steps, probs.shape[1])).argmax(dim=-1)
+        if race_kernel(logits):
+            sampled = torch.ops.mii.sample_race(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seeds,
+                                                sb.steps)
+        else:
+            sampled = sample_torch(logits, sb)
         tokens = torch.where(sb.greedy, tokens, sampled)
     out = SamplerOutput(tokens.tolist())
     if sb.logprobs >= 0:

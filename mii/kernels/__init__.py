@@ -8,6 +8,8 @@
   bf16 matmul: decode streams half the bytes of fp32 weights (`linear_cpu.cpp`);
 - `mii::linear_quant`: a linear whose weight is int8 or int4 (group-wise scales, `mii/layers/quant.py`'s
   layouts) and whose math is fp32: decode streams 2-4x fewer bytes than bf16 (`quant_cpu.cpp`);
+- `mii::sample_race`: the sampled rows of a step (temperature, top-k, top-p, min-p, the seeded exponential race)
+  in one pass over each row, drawing what the torch sampler draws (`sampler_cpu.cpp`);
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
   MLP) in one call, running the kernels above in the eager order without the Python between them
   (`decoder_cpu.cpp`).
@@ -35,7 +37,7 @@ from mii.envs import cache_dir, cpu_flags
 log = logging.getLogger("mii")
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp",
-                                                  "quant_cpu.cpp", "decoder_cpu.cpp")]
+                                                  "quant_cpu.cpp", "decoder_cpu.cpp", "sampler_cpu.cpp")]
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
@@ -45,6 +47,8 @@ _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, T
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
 _lib.define("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("linear_quant(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+            "Tensor steps) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
             "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
             "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows) -> (Tensor, Tensor)")
@@ -79,6 +83,11 @@ def _(x, positions, params, caches, slot_mapping, query_start, seq_lens, block_t
 @torch.library.register_fake("mii::linear_bf16w")
 def _(x, weight, bias):  # weight [N, K], or tiled [N/8, K/8, 64]
     return x.new_empty(*x.shape[:-1], weight.shape[0] * (8 if weight.dim() == 3 else 1))
+
+
+@torch.library.register_fake("mii::sample_race")
+def _(logits, temperature, top_k, top_p, min_p, seeds, steps):
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
 @torch.library.register_fake("mii::linear_quant")

@@ -1,0 +1,103 @@
+"""The sampler: mii::sample_race (C++, CPU) draws the same tokens as the torch path (`sample_torch`) for the same
+seeds, steps and parameters; and what both draw follows the distribution: temperature, top-k, top-p and min-p keep
+exactly the tokens they should, in their odds."""
+import pytest
+import torch
+
+from mii import kernels
+from mii.engine.sampler import SamplingBatch, exponential_noise, sample, sample_torch
+
+pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
+                                reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
+
+
+def _batch(S, V, temperature=1.0, top_p=1.0, top_k=None, min_p=0.0, seeds=None, steps=None):
+    full = lambda v, dtype=torch.float32: torch.full((S,), v, dtype=dtype)  # noqa: E731
+    top_k = V if top_k is None else top_k
+    return SamplingBatch(greedy=torch.zeros(S, dtype=torch.bool), temperature=full(temperature), top_p=full(top_p),
+                         top_k=full(top_k, torch.long), min_p=full(min_p),
+                         seeds=torch.arange(S) if seeds is None else seeds,
+                         steps=torch.zeros(S, dtype=torch.long) if steps is None else steps,
+                         all_greedy=False, needs_sort=top_p < 1 or top_k < V, any_min_p=min_p > 0)
+
+
+def _race(logits, sb):
+    return torch.ops.mii.sample_race(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seeds, sb.steps)
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,min_p", [
+    (1.0, 1.0, None, 0.0), (0.7, 1.0, None, 0.0), (1.3, 0.9, None, 0.0), (1.0, 1.0, 50, 0.0),
+    (0.8, 0.95, 40, 0.05), (1.0, 1.0, None, 0.1), (0.01, 1.0, None, 0.0), (2.0, 0.5, 3000, 0.0)])
+def test_kernel_draws_what_the_torch_path_draws(temperature, top_p, top_k, min_p):
+    g = torch.Generator().manual_seed(7)
+    S, V = 300, 5000
+    logits = torch.randn(S, V, generator=g) * torch.rand(S, 1, generator=g) * 8  # flat to peaked rows
+    logits[:, 11] = float("-inf")  # a masked token (a ban, a constraint)
+    logits[0, :] = float("-inf")
+    logits[0, 123] = 0.0  # a row where one token is allowed
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (S,), generator=g)  # negative seeds too
+    steps = torch.randint(0, 5000, (S,), generator=g)
+    sb = _batch(S, V, temperature, top_p, top_k, min_p, seeds, steps)
+    ours, ref = _race(logits, sb), sample_torch(logits, sb)
+    assert ours[0] == 123 and not (ours == 11).any()
+    differ = (ours != ref).nonzero().flatten()
+    # only an exact near-tie of the race may round differently: the kernel's token scores as high as the torch one
+    scores = torch.softmax(logits / temperature, -1) / exponential_noise(seeds, steps, V)
+    for r in differ.tolist():
+        assert scores[r, ours[r]] >= scores[r, ref[r]] * (1 - 1e-5), (r, ours[r], ref[r])
+    assert len(differ) <= 1
+
+
+def _frequencies(logits_row, n, **kw):
+    V = logits_row.shape[0]
+    sb = _batch(n, V, seeds=torch.arange(n) * 7919 + 3, **kw)
+    tokens = _race(logits_row.expand(n, V).contiguous(), sb)
+    return torch.bincount(tokens, minlength=V).double() / n
+
+
+def _within(freq, probs, n):
+    sigma = torch.sqrt(probs * (1 - probs) / n)
+    assert ((freq - probs).abs() <= 5 * sigma + 1e-9).all(), (freq, probs)
+
+
+def test_temperature_follows_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -9.0, float("-inf")])
+    n = 20000
+    for t in (0.5, 1.0, 1.7):
+        _within(_frequencies(logits, n, temperature=t), torch.softmax(logits.double() / t, 0), n)
+
+
+def test_top_k_top_p_min_p_keep_exactly_their_tokens():
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
+    p = logits.double().exp()
+    n = 20000
+    renorm = lambda keep: torch.where(keep, p, 0) / torch.where(keep, p, 0).sum()  # noqa: E731
+    # top_p 0.75: 0.4 + 0.25 = 0.65 < 0.75 keeps the third token; then 0.8 >= 0.75 drops the rest
+    _within(_frequencies(logits, n, top_p=0.75), renorm(torch.arange(6) < 3), n)
+    _within(_frequencies(logits, n, top_k=2), renorm(torch.arange(6) < 2), n)
+    # min_p 0.3: tokens under 0.3 x 0.4 = 0.12 go
+    _within(_frequencies(logits, n, min_p=0.3), renorm(p >= 0.12), n)
+    # top_p so small that only the first token stays
+    assert (_frequencies(logits, 200, top_p=0.01)[0] == 1).all()
+
+
+def test_sample_uses_the_kernel_and_keeps_greedy_rows():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=g)
+    sb = _batch(6, 300, temperature=1.0)
+    sb.greedy = torch.tensor([True, False, True, False, False, True])
+    out = sample(logits, sb).tokens
+    race = _race(logits, sb)
+    for r in range(6):
+        assert out[r] == (logits[r].argmax().item() if sb.greedy[r] else race[r].item())
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 1000, generator=g)
+    sb = _batch(5, 1000, temperature=0.9, top_p=0.9, seeds=torch.tensor([5, 6, 7, 8, 9]),
+                steps=torch.tensor([0, 3, 3, 10, 2]))
+    together = _race(logits, sb)
+    for r in range(5):
+        one = _batch(1, 1000, temperature=0.9, top_p=0.9, seeds=sb.seeds[r:r + 1], steps=sb.steps[r:r + 1])
+        assert _race(logits[r:r + 1], one).item() == together[r].item()
