@@ -86,10 +86,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     model.eval()
     if quantizer:
         quantize.check_model(model, quantization)
-        quantize.release_freed_memory()
     if bf16_weights:
         store_weights_bf16(model)
     packed = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
+    quantize.release_freed_memory()  # the float copies quantization or a bf16 re-layout replaced
     tok = load_tokenizer(folder, tokenizer)
     return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed,
                        quantizer.report if quantizer else None, quantize.weight_bytes(model))

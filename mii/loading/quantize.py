@@ -121,7 +121,7 @@ def _label(w: torch.Tensor) -> str:
     if s is None:
         return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(w.dtype, str(w.dtype))
     g = group_size(w)
-    return f"{s} per-channel" if w.shape[1] == 1 else f"{s} g{g}"
+    return "int8 per-channel" if s == INT8 and w.shape[1] == 1 else f"{s} g{g}"
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

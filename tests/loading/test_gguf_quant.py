@@ -176,3 +176,19 @@ def test_pipeline_matches_transformers_on_its_weights(path):
         compare_greedy(pipe, prompts, hf_greedy(None, prompts, 12, hf_model=hf), 12, atol=1e-2)
     finally:
         pipe.destroy()
+
+
+def test_explicit_scheme_keeps_the_blocks_that_map_to_it(path):
+    """quantization="int4" on a GGUF: the Q4_0/Q4_1 linears keep the file's blocks (exact, groups of 32), the others
+    are quantized to int4 in groups of 64 from the file's values."""
+    ref = linears(load(path, None).model)
+    got = load(path, QuantSpec("int4", 64))
+    w = linears(got.model)
+    o0, gate_up1 = "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj"  # Q8_0 in the file
+    assert torch.equal(dequantize(w["model.layers.0.mlp.gate_up_proj"]), ref["model.layers.0.mlp.gate_up_proj"])
+    for name in (o0, gate_up1):
+        assert scheme(w[name]) == "int4" and w[name].shape[2] == 8 + 64
+        r = ref[name].view(ref[name].shape[0], -1, 64)
+        step = (r.amax(-1, keepdim=True) - r.amin(-1, keepdim=True)) / 15
+        assert ((dequantize(w[name]).view_as(r) - r).abs() <= step * 0.51 + 1e-6).all(), name
+    assert got.quantization.quantized["int4 g64"] > 0 and got.quantization.kept_raw

@@ -1,0 +1,93 @@
+"""Quantized weights on the embedded SmolLM2 (its GGUF: Q4_1 linears, Q8_0 tied embedding): perplexity on a fixed
+English text (tests/data/english.txt) and greedy answers to chat questions, dequantized bf16 weights
+(quantization="none") against int8 (quantized at load) and int4 (the file's own blocks, the default), and the
+memory each really takes."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TEXT = Path(__file__).parent.parent / "data" / "english.txt"
+QUESTIONS = {"What is the capital of France?": "Paris", "How many days are in a week?": "7",
+             "Who wrote Romeo and Juliet?": "Shakespeare"}
+
+# one process, the three one after the other (imports and tokenizer paid once): smallest first, so that memory
+# freed by one and reused by the next can only make the larger ones look smaller, against the memory check
+RUN = r"""
+import ctypes, gc, json, sys
+import mii
+import mii.loading.loader
+from mii import kernels
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+kernels.load_cpu_kernels()
+source = mii.loading.resolve_source(None)  # what every load pays once (the tokenizer and its imports), paid first
+tokenizer = mii.loading.loader.load_tokenizer(mii.loading.gguf_file.cached_folder(source.path, source.name))
+text, questions = open(sys.argv[1]).read(), json.loads(sys.argv[2])
+out = {}
+for q in ("auto", "int8", "none"):
+    before = rss()
+    pipe = mii.pipeline(quantization=q, num_threads=1, inference_engine_config={"state_manager": {
+        "max_ragged_batch_size": 512, "memory_config": {"mode": "allocate", "size": 16}}})
+    grown = rss() - before
+    ids = pipe.tokenizer.encode(text)
+    scored = pipe([ids], max_new_tokens=1, do_sample=False, prompt_logprobs=0)[0].prompt_logprobs[1:]
+    prompts = [pipe.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    answers = [r.generated_text for r in pipe(prompts, max_new_tokens=24, do_sample=False)]
+    plan = pipe.engine_plan
+    out[q] = {"nll": -sum(d["logprob"] for d in scored) / len(scored), "tokens": len(scored), "answers": answers,
+              "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization}
+    pipe.destroy()
+    del pipe
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs():
+    p = subprocess.run([sys.executable, "-c", RUN, str(TEXT), json.dumps(list(QUESTIONS))],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_what_each_run_holds(runs):
+    """none: every weight in bf16 (fp32 math on CPUs without native bf16, else bf16); int8: the linears int8 per
+    output channel; auto: the linears are the GGUF's Q4_1 blocks (int4 g32); the tied embedding/LM head stays
+    in the weight dtype in all three."""
+    assert "int4 g32" not in runs["none"]["weights"] and "int8 per-channel" not in runs["none"]["weights"]
+    assert runs["int8"]["plan"] == "120 quantized to int8 per-channel", runs["int8"]["plan"]
+    assert runs["auto"]["plan"] == "120 from the GGUF's Q4_1 blocks", runs["auto"]["plan"]
+    assert runs["int8"]["weights"]["int8 per-channel"] > 0 and runs["auto"]["weights"]["int4 g32"] > 0
+
+
+def test_perplexity(runs):
+    """int8 within 1% and int4 within 5% of the bf16 (dequantized) perplexity, on ~400 tokens of English."""
+    ppl = {q: math.exp(r["nll"]) for q, r in runs.items()}
+    assert runs["none"]["tokens"] > 300 and 20 < ppl["none"] < 200, ppl
+    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
+    assert abs(ppl["auto"] / ppl["none"] - 1) < 0.05, ppl
+
+
+def test_answers_still_right(runs):
+    for q, r in runs.items():
+        for (question, word), answer in zip(QUESTIONS.items(), r["answers"]):
+            assert word in answer, f"{q}: {question} -> {answer!r}"
+
+
+def test_resident_memory_follows_the_weights(runs):
+    """No float copy of a quantized linear stays behind: the resident memory a load adds shrinks by (at least 80%
+    of) what the weights shrink by."""
+    size = {q: sum(r["weights"].values()) for q, r in runs.items()}
+    for q in ("int8", "auto"):
+        saved = size["none"] - size[q]
+        assert saved > 0.3 * size["none"], size
+        assert runs["none"]["rss"] - runs[q]["rss"] > 0.8 * saved, (q, runs[q]["rss"], runs["none"]["rss"], saved)

@@ -1,0 +1,77 @@
+"""Quantization at load time from a float checkpoint (a tiny random Llama): int4 and int8 through `mii.pipeline`
+against transformers holding the weights the packed linears dequantize to; the group fallback; the options'
+errors."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import mii
+from mii.config import ModelConfig, build_config
+from mii.errors import ValidationError
+from mii.layers.quant import dequantize, scheme
+from mii.loading.quantize import pick_group, quant_spec
+from tests.quant_reference import load_dequantized
+from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_dir):
+    return tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path_factory.mktemp("llama"), tokenizer_dir)
+
+
+@pytest.mark.parametrize("quantization,group,formats", [
+    ("int4", None, {"int4 g64"}),  # default group
+    ("int8", None, {"int8 per-channel"}),
+    ("int4", 128, {"int4 g64", "int4 g128"}),  # 128 does not divide the hidden size 64: those take 64
+])
+def test_matches_transformers_on_the_dequantized_weights(tiny, quantization, group, formats):
+    pipe = mii.pipeline(str(tiny), dtype="float32", quantization=quantization, quantization_group=group,
+                        inference_engine_config={"state_manager": {"max_ragged_batch_size": 48, "kv_block_size": 8}})
+    try:
+        plan = pipe.engine_plan
+        assert set(plan.weight_bytes) - {"fp32"} == formats, plan.weight_bytes
+        if group == 128:
+            assert "group 64 (128 does not divide its 64 inputs)" in plan.quantization, plan.quantization
+        hf = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+        before = {n: p.clone() for n, p in hf.named_parameters() if "proj" in n}
+        assert load_dequantized(hf, pipe.engine.runner.model) == 7 * TINY["num_hidden_layers"]
+        # the quantized weights are near the checkpoint's (a wrong scale or offset would not be)
+        for name, p in hf.named_parameters():
+            if name in before:
+                step = before[name].abs().max() / (7 if quantization == "int4" else 127)
+                assert 0 < (p - before[name]).abs().max() <= step, name
+        prompts = prompts_for(VOCAB, lengths=(5, 37))
+        compare_greedy(pipe, prompts, hf_greedy(None, prompts, 16, hf_model=hf), 16, atol=2e-3)
+    finally:
+        pipe.destroy()
+
+
+def test_options_are_validated():
+    with pytest.raises(ValidationError, match="quantization: Input should be 'auto', 'none', 'int8' or 'int4'"):
+        build_config(ModelConfig, None, quantization="int3")
+    with pytest.raises(ValidationError, match="quantization_group=48 is not a multiple of 32"):
+        build_config(ModelConfig, None, quantization_group=48)
+    with pytest.raises(ValidationError, match="quantization_group: .*greater than or equal to 32"):
+        build_config(ModelConfig, None, quantization_group=16)
+    with pytest.raises(ValidationError, match="quantization='int8' / 'int4'"):
+        build_config(ModelConfig, None, quantization_mode="wf6af16")
+    assert build_config(ModelConfig, None, quantization=None).quantization == "none"
+    with pytest.raises(ValidationError, match="quantization: 'int4' runs on CPU only"):
+        quant_spec("int4", None, "cuda", "folder")
+    spec, why = quant_spec("auto", None, "cuda", "gguf")
+    assert not spec.active and "dequantized on a GPU" in why
+    assert quant_spec("auto", None, "cpu", "folder")[0].active is False
+    assert quant_spec("auto", None, "cpu", "gguf")[0].keep_file
+    assert [pick_group(k, 128) for k in (256, 576, 64, 48)] == [128, 64, 64, None]
+
+
+def test_the_default_model_runs_its_own_int4_blocks(default_pipe):
+    """The embedded SmolLM2 (Q4_1 linears) runs quantized by default: every linear holds the file's blocks."""
+    from mii.layers.linear import LinearBase
+
+    linears = [m.weight for m in default_pipe.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 120 and all(scheme(w) == "int4" and w.shape[2] == 8 + 32 for w in linears)
+    assert default_pipe.engine_plan.quantization == "120 from the GGUF's Q4_1 blocks"
+    assert dequantize(linears[0]).abs().max() > 0
