@@ -1,7 +1,7 @@
 """mii::decoder_stack (all pre-norm decoder layers of a step in one C++ call) against the layers' own forward on
 the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
-sliding window; fp32 weights); and the architectures it does not cover keep the layers."""
+sliding window; fp32 weights; int4 and int8 weights); and the architectures it does not cover keep the layers."""
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, PhiConfig, Qwen2Config, Qwen3Config
@@ -19,6 +19,9 @@ CASES = {
     "qwen2-qkv-bias": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto"),
     "qwen3-qk-norm": (Qwen3Config(vocab_size=VOCAB, head_dim=16, **TINY), "auto"),
     "mistral-window-fp32": (MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), "float32"),
+    "llama-int4": (LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, **TINY), "auto", dict(quantization="int4",
+                                                                                              quantization_group=32)),
+    "qwen2-int8": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int8")),
 }
 
 
@@ -43,15 +46,19 @@ def _both_paths_per_step(pipe):
 
 @pytest.mark.parametrize("case", CASES)
 def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
-    cfg, dtype = CASES[case]
+    cfg, dtype, *extra = CASES[case]
     path = tiny_checkpoint(cfg, tmp_path, tokenizer_dir)
     pipe = mii.pipeline(str(path), dtype=dtype, inference_engine_config={
-        "state_manager": {"max_ragged_batch_size": 40, "kv_block_size": 8}})
+        "state_manager": {"max_ragged_batch_size": 40, "kv_block_size": 8}}, **(extra[0] if extra else {}))
     try:
         model = pipe.engine.loaded.model
         assert model.model.stack is not None, "this architecture should run as one decoder_stack call"
         if dtype == "auto":  # on CPUs without native bf16 matmul: bf16 weights, the tied head tiled
             assert pipe.engine_plan.linear_backend != "kernel" or model.lm_head.weight.dim() == 3
+        if extra:  # every linear of the stack is packed
+            expected = torch.uint8 if extra[0]["quantization"] == "int4" else torch.int8
+            assert all(layer.mlp.down_proj.weight.dtype == expected and layer.self_attn.qkv_proj.weight.dtype == expected
+                       for layer in model.model.layers)
         same = _both_paths_per_step(pipe)
         # prompts longer than the step budget: chunks of several steps next to decode rows
         outs = pipe(prompts_for(VOCAB, lengths=(5, 37, 90, 3)), max_new_tokens=10, do_sample=False,
