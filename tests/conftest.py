@@ -34,9 +34,10 @@ def tokenizer_dir(tmp_path_factory, default_model_path) -> Path:
 
 @pytest.fixture(scope="session")
 def default_pipe():
-    """The embedded SmolLM2 in fp32, shared by the tests that only read from it."""
+    """The embedded SmolLM2 in fp32, dequantized (the values transformers reads from its GGUF; by default mii keeps
+    its 4-bit blocks: tests/api/test_quantized_quality.py), shared by the tests that only read from it."""
     import mii
 
-    pipe = mii.pipeline(dtype="float32")
+    pipe = mii.pipeline(dtype="float32", quantization="none")
     yield pipe
     pipe.destroy()

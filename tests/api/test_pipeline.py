@@ -1,4 +1,4 @@
-"""`mii.pipeline` on the embedded SmolLM2 (fp32): reference match, invariance, sampling, stops, streaming."""
+"""`mii.pipeline` on the embedded SmolLM2 (fp32, dequantized): reference match, invariance, sampling, stops, streaming."""
 from pathlib import Path
 
 import pytest
@@ -65,13 +65,14 @@ def test_invariance_batch_chunking_preemption(default_pipe, chat_prompt):
     prompts[5] = chat_prompt
     batched = default_pipe(prompts, **kwargs)
     assert_same_responses(batched[5:6], alone)
-    small_budget = mii.pipeline(dtype="float32", inference_engine_config={"state_manager": {"max_ragged_batch_size": 16}})
+    small_budget = mii.pipeline(dtype="float32", quantization="none",
+                                inference_engine_config={"state_manager": {"max_ragged_batch_size": 16}})
     try:
         assert_same_responses(small_budget(prompts, **kwargs), batched)
     finally:
         small_budget.destroy()
     # 24 blocks of 8 tokens: the 16 prompts cannot all stay in the cache, so sequences are preempted and recomputed
-    tiny_kv = mii.pipeline(dtype="float32", inference_engine_config={"state_manager": {
+    tiny_kv = mii.pipeline(dtype="float32", quantization="none", inference_engine_config={"state_manager": {
         "kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 24}}})
     try:
         again = tiny_kv(prompts, **kwargs)

@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import mii
 from mii.config import ModelConfig, build_config
 from mii.errors import ValidationError
-from mii.layers.quant import dequantize, scheme
 from mii.loading.quantize import pick_group, quant_spec
 from tests.quant_reference import load_dequantized
 from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
@@ -65,13 +64,3 @@ def test_options_are_validated():
     assert quant_spec("auto", None, "cpu", "folder")[0].active is False
     assert quant_spec("auto", None, "cpu", "gguf")[0].keep_file
     assert [pick_group(k, 128) for k in (256, 576, 64, 48)] == [128, 64, 64, None]
-
-
-def test_the_default_model_runs_its_own_int4_blocks(default_pipe):
-    """The embedded SmolLM2 (Q4_1 linears) runs quantized by default: every linear holds the file's blocks."""
-    from mii.layers.linear import LinearBase
-
-    linears = [m.weight for m in default_pipe.engine.runner.model.modules() if isinstance(m, LinearBase)]
-    assert len(linears) == 120 and all(scheme(w) == "int4" and w.shape[2] == 8 + 32 for w in linears)
-    assert default_pipe.engine_plan.quantization == "120 from the GGUF's Q4_1 blocks"
-    assert dequantize(linears[0]).abs().max() > 0
