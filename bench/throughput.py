@@ -3,11 +3,13 @@ probe run in this process) and against Hugging Face `transformers` `generate` (s
 single-stream decode (128-token prompt, 256 new tokens) against the weight-bandwidth floor (a copy probe);
 prefill of a 512-token prompt (pp512); time to first token; cold and warm start-up. With `--compare-torch`,
 the same W64 and single stream through the torch reference backends (MII_KERNELS=0) in the same run, so
-the kernels' gain is a same-run ratio. Ratios are the result: absolute numbers depend on the machine and
-its load.
+the kernels' gain is a same-run ratio. With `--compare-quant`, the embedded model's weights three ways in the
+same run — bf16 (quantization="none", dequantized), int8 (quantized at load) and int4 (its GGUF's own blocks,
+the default) — each with its W64, single-stream decode and the resident memory its load added. Ratios are the
+result: absolute numbers depend on the machine and its load.
 
-    .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--requests 64]
-                                         [--json results.json] [--plot w64.png]
+    .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--compare-quant]
+                                         [--requests 64] [--json results.json] [--plot w64.png]
 """
 from __future__ import annotations
 
@@ -101,6 +103,36 @@ def weight_bytes(pipe) -> int:
     return total
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
+    """W64, single stream and resident memory of the embedded model as int4 (its GGUF's blocks), int8 and bf16,
+    one after the other in this process: smallest first, so that memory freed by one and reused by the next can
+    only make the larger ones look smaller."""
+    import ctypes
+    import gc
+
+    out = {}
+    for q, label in (("auto", "int4"), ("int8", "int8"), ("none", "bf16")):
+        before = resident_bytes()
+        pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q)
+        grown = resident_bytes() - before
+        r = measure(pipe, prompts, outputs, f"mii {label}")
+        r.update(rss_mb=grown / 1e6, weights_mb={k: v / 1e6 for k, v in pipe.engine_plan.weight_bytes.items()},
+                 plan=pipe.engine_plan.quantization)
+        print(f"{'':<14} load added {r['rss_mb']:.0f} MB resident; weights "
+              + ", ".join(f"{k} {v:.1f} MB" for k, v in r["weights_mb"].items()), flush=True)
+        out[label] = r
+        pipe.destroy()
+        del pipe
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return out
+
+
 def measure(pipe, prompts, outputs, label: str) -> dict:
     run_w64(pipe, prompts[:4], [8] * min(4, len(prompts)))  # warm-up
     r = {"w64": run_w64(pipe, prompts, outputs)}
@@ -119,6 +151,9 @@ def main():
                     help="also run the torch reference backends (MII_KERNELS=0) in the same run")
     ap.add_argument("--compare-dtype", default=None,
                     help="also run mii with this dtype in the same run (float32: fp32 weights where the plan keeps bf16)")
+    ap.add_argument("--compare-quant", action="store_true",
+                    help="also run the model as int4 (its GGUF's blocks), int8 and bf16 in the same run: W64, decode, "
+                         "resident memory")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (the engine plan's choice), bfloat16 or float32")
     ap.add_argument("--threads", type=int, default=None,
@@ -156,6 +191,8 @@ def main():
         other = mii.pipeline(dtype=args.compare_dtype, num_threads=threads)
         results["dtype"] = measure(other, prompts, outputs, f"mii {args.compare_dtype}")
         other.destroy()
+    if args.compare_quant:
+        results["quant"] = compare_quant(args.dtype, threads, prompts, outputs)
     hf = None
     if not args.skip_hf:
         hf = run_hf(mii.default_model(), prompts, outputs, dtype)
@@ -177,6 +214,15 @@ def main():
         t = results["dtype"]
         print(f"  plan vs dtype={args.compare_dtype}     W64 {t['w64'] / r['w64']:.2f}x, decode {r['decode'] / t['decode']:.2f}x, "
               f"pp512 {r['pp512'] / t['pp512']:.2f}x")
+    if "quant" in results:
+        qr = results["quant"]
+        b = qr["bf16"]
+        for label in ("int8", "int4"):
+            x = qr[label]
+            print(f"  {label} vs bf16 weights     decode {x['decode'] / b['decode']:.2f}x ({x['decode']:.1f} vs "
+                  f"{b['decode']:.1f} tok/s), W64 {b['w64'] / x['w64']:.2f}x, resident {x['rss_mb']:.0f} vs "
+                  f"{b['rss_mb']:.0f} MB, weights {sum(x['weights_mb'].values()):.0f} vs "
+                  f"{sum(b['weights_mb'].values()):.0f} MB")
     print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
           f"floor ({bw_floor:.0f} tok/s)")
     print(f"  time to first token       {r['ttft'] * 1000:7.0f} ms (128-token prompt)")
@@ -185,7 +231,8 @@ def main():
         print(f"  start-up                  cold {cold:.1f} s (empty cache: GGUF conversion, kernel build), warm {warm:.1f} s")
 
     labels = {"mii": "mii", "torch": "mii, torch backends", "dtype": f"mii, dtype={args.compare_dtype}"}
-    systems = {labels[k]: v for k, v in results.items()}
+    systems = {labels[k]: v for k, v in results.items() if k != "quant"}
+    systems.update({f"mii, {k} weights": v for k, v in results.get("quant", {}).items()})
     if hf:
         systems["transformers"] = {"w64": hf}
     report = {"workload": {"requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out},

@@ -55,6 +55,8 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
         plan.weight_bytes = loaded.weight_bytes
         if loaded.quantization is not None:
             plan.quantization = loaded.quantization.summary()
+            if loaded.quantization.kept_raw or loaded.quantization.quantized:
+                plan.reasons["linears"] = "the int8/int4 linears: mii::linear_quant; this row: the other weights"
         if tp_group is None or tp_group.rank == 0:
             engine = Engine(loaded, model_config, plan, tp_group)
             return BuiltEngine(engine.plan, loaded.tokenizer, engine=engine, tp_group=tp_group)
