@@ -27,6 +27,7 @@
 namespace {
 
 constexpr int64_t kGemvRows = 16;    // rows of x handled by the streaming kernel; more go through blocked GEMM
+constexpr int64_t kTiledRows = 32;   // the same for tiled weights (measured: 1.46x ATen's GEMM at 17 rows, even at 32)
 constexpr int kPrefetchGroups = 4;   // weight rows are prefetched this many row groups ahead
 constexpr int64_t kGemmBlock = 128;  // weight rows widened to fp32 at a time for the GEMM path
 
@@ -159,27 +160,38 @@ inline void tiled_row(const float* xm, int64_t KT, const uint16_t* group, float*
   _mm256_storeu_ps(ym, reduce8(acc));
 }
 
-// Four rows of x against one pair of weight rows (2p, 2p+1): each weight vector widened once for four rows.
-inline void tiled_quad(const float* x, int64_t K, const uint16_t* group, int p, float* y, int64_t N) {
+// MR rows of x (up to 4) against one pair of weight rows (2p, 2p+1): each weight vector widened once for MR rows,
+// 2 x MR accumulators. (6 rows, 12 accumulators, measured no faster: 6 rows of a 1536-wide x overflow L1.)
+template <int MR>
+inline void tiled_rows_pair(const float* x, int64_t K, const uint16_t* group, int p, float* y, int64_t N) {
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[8];  // [row of x][even, odd weight row]
-  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[2 * MR];  // [row of x][even, odd weight row]
+  for (int r = 0; r < 2 * MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t kt = 0; kt < K / 8; ++kt) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kt * kTile + p * 16));
     const __m256 even_w = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     const __m256 odd_w = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
-    for (int m = 0; m < 4; ++m) {
+    for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + kt * 8);
       acc[2 * m] = _mm256_fmadd_ps(xv, even_w, acc[2 * m]);
       acc[2 * m + 1] = _mm256_fmadd_ps(xv, odd_w, acc[2 * m + 1]);
     }
   }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, reduce8(acc));
-  for (int m = 0; m < 4; ++m) {
-    y[m * N + 2 * p] = sums[2 * m];
-    y[m * N + 2 * p + 1] = sums[2 * m + 1];
+  for (int m0 = 0; m0 < MR; m0 += 4) {  // reduce8 sums 8 accumulators: 4 rows of x at a time
+    __m256 part[8];
+    for (int r = 0; r < 8; ++r) part[r] = 2 * m0 + r < 2 * MR ? acc[2 * m0 + r] : _mm256_setzero_ps();
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, reduce8(part));
+    for (int m = m0; m < std::min(MR, m0 + 4); ++m) {
+      y[m * N + 2 * p] = sums[2 * (m - m0)];
+      y[m * N + 2 * p + 1] = sums[2 * (m - m0) + 1];
+    }
   }
+}
+
+template <int MR>
+inline void tiled_block(const float* x, int64_t K, const uint16_t* group, float* y, int64_t N) {
+  for (int p = 0; p < 4; ++p) tiled_rows_pair<MR>(x, K, group, p, y, N);
 }
 #endif
 
@@ -187,9 +199,13 @@ inline void tiled_quad(const float* x, int64_t K, const uint16_t* group, int p, 
 inline void tiled_group(const float* x, int64_t M, int64_t K, const uint16_t* group, float* y, int64_t N) {
   int64_t m = 0;
 #ifdef MII_AVX2
-  for (; m + 4 <= M; m += 4)
-    for (int p = 0; p < 4; ++p) tiled_quad(x + m * K, K, group, p, y + m * N, N);
-  for (; m < M; ++m) tiled_row(x + m * K, K / 8, group, y + m * N);
+  for (; m + 4 <= M; m += 4) tiled_block<4>(x + m * K, K, group, y + m * N, N);
+  switch (M - m) {
+    case 3: tiled_block<3>(x + m * K, K, group, y + m * N, N); break;
+    case 2: tiled_block<2>(x + m * K, K, group, y + m * N, N); break;
+    case 1: tiled_row(x + m * K, K / 8, group, y + m * N); break;
+  }
+  m = M;
 #else
   for (; m < M; ++m)
     for (int r = 0; r < 8; ++r) {
@@ -274,7 +290,7 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
   if (M > 0 && N > 0) {
     const float* xp = xf.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    if (M > kGemvRows) {
+    if (M > (tiled ? kTiledRows : kGemvRows)) {
       blocked_gemm(xf, wp, tiled, N, K, y);
     } else if (tiled) {
       tiled_gemv(xp, M, K, wp, N, yp);

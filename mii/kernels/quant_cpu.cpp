@@ -10,7 +10,8 @@
 //   and byte-to-int16 unpacks feed `vpmaddwd` against x's 8 columns repeated twice; int8: 16 columns of a row
 //   per sign-extending load.
 // - More rows (prompt chunks, big batches): each task dequantizes a block of rows into an fp32 buffer that stays
-//   in cache and multiplies it with ATen's fp32 GEMM.
+//   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first, so that a row's result does
+//   not depend on how many rows share its step beyond fp32 summation order (batch invariance, prefix caching).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -29,7 +30,7 @@
 
 namespace {
 
-constexpr int64_t kGemvRows = 16;    // rows of x handled by the streaming kernel; more go through blocked GEMM
+constexpr int64_t kGemvRows = 32;    // rows of x handled by the streaming kernel; more go through blocked GEMM
 constexpr int64_t kGemmPairs = 64;   // row pairs dequantized at a time for the GEMM path
 constexpr int64_t kPrefetch = 1024;  // bytes ahead
 
@@ -67,6 +68,32 @@ inline float int4_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
 inline float int8_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
   const float s = half_to_float(blk + 2 * row);
   return s * static_cast<float>(reinterpret_cast<const int8_t*>(blk + 8 + row * G)[col]);
+}
+
+// x's chunk of 32 columns rounded to int16: v = round(x / s) with s = max |x| / 32767; returns s
+inline float round_chunk(const float* xc, int16_t* v) {
+  float amax = 0.f;
+  for (int k = 0; k < 32; ++k) amax = std::max(amax, std::abs(xc[k]));
+  const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
+  for (int k = 0; k < 32; ++k) v[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));
+  return s;
+}
+
+// x as the decode path sees it (every chunk rounded to int16, times its scale), for the GEMM path: a row's result
+// then does not depend on how many rows share its step (up to the GEMM's fp32 summation order)
+at::Tensor round_x(const at::Tensor& x) {
+  auto out = at::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t chunks = x.numel() / 32;
+  at::parallel_for(0, chunks, 256, [&](int64_t b, int64_t e) {
+    int16_t v[32];
+    for (int64_t c = b; c < e; ++c) {
+      const float s = round_chunk(src + c * 32, v);
+      for (int k = 0; k < 32; ++k) dst[c * 32 + k] = static_cast<float>(v[k]) * s;
+    }
+  });
+  return out;
 }
 
 // rows of pairs p0 .. p0+count-1 -> row-major fp32 [2 * count, K]
@@ -133,12 +160,8 @@ struct XQ {
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K;
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* xc = xm + c * 32;
-        float amax = 0.f;
-        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::abs(xc[k]));
-        const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
         int16_t v[32];
-        for (int k = 0; k < 32; ++k) v[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));
+        const float s = round_chunk(xm + c * 32, v);
         int16_t* out = &q[(m * chunks + c) * 64];
         if (int4) {
           for (int j = 0; j < 4; ++j)
@@ -324,10 +347,15 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
-    if (M > kGemvRows) {
-      blocked_gemm(xf, wp, L, y);
-    } else {
+#ifdef MII_QAVX2
+    const bool streaming = M <= kGemvRows;
+#else
+    const bool streaming = false;
+#endif
+    if (streaming) {
       gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>());
+    } else {
+      blocked_gemm(round_x(xf), wp, L, y);
     }
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
