@@ -6,10 +6,12 @@ the same W64 and single stream through the torch reference backends (MII_KERNELS
 the kernels' gain is a same-run ratio. With `--compare-quant`, the embedded model's weights three ways in the
 same run — bf16 (quantization="none", dequantized), int8 (quantized at load) and int4 (its GGUF's own blocks,
 the default) — each with its W64, single-stream decode and the resident memory its load added. Ratios are the
-result: absolute numbers depend on the machine and its load.
+result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
+llama.cpp's own pp512 and tg128 on the same GGUF file and cores in the same run, and on its BF16 re-quantization
+when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them).
 
     .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--compare-quant]
-                                         [--requests 64] [--json results.json] [--plot w64.png]
+                                         [--llama-bench PATH] [--requests 64] [--json results.json] [--plot w64.png]
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -154,6 +157,9 @@ def main():
     ap.add_argument("--compare-quant", action="store_true",
                     help="also run the model as int4 (its GGUF's blocks), int8 and bf16 in the same run: W64, decode, "
                          "resident memory")
+    ap.add_argument("--llama-bench", nargs="?", const="", default=None, metavar="PATH",
+                    help="also run llama.cpp's llama-bench (pp512, tg128) on the same GGUF and cores; PATH defaults "
+                         "to $LLAMA_BENCH or llama-bench on PATH")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (the engine plan's choice), bfloat16 or float32")
     ap.add_argument("--threads", type=int, default=None,
@@ -193,6 +199,17 @@ def main():
         other.destroy()
     if args.compare_quant:
         results["quant"] = compare_quant(args.dtype, threads, prompts, outputs)
+    llama = None
+    if args.llama_bench is not None:
+        from bench.peers import find_llama_bench, llama_bench
+
+        binary = find_llama_bench(args.llama_bench or None)
+        if binary is None:
+            raise SystemExit("--llama-bench: no llama-bench binary found (give its path or set $LLAMA_BENCH)")
+        llama = llama_bench(binary, Path(mii.default_model()), threads, types=("BF16",))
+        for ftype, row in llama.items():
+            print(f"{'llama.cpp':<14} {ftype if ftype != 'file' else 'GGUF as shipped'}: pp512 {row['pp512']:6.0f} "
+                  f"tok/s, tg128 {row['tg128']:6.1f} tok/s", flush=True)
     hf = None
     if not args.skip_hf:
         hf = run_hf(mii.default_model(), prompts, outputs, dtype)
@@ -225,6 +242,14 @@ def main():
                   f"{sum(b['weights_mb'].values()):.0f} MB")
     print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
           f"floor ({bw_floor:.0f} tok/s)")
+    if llama:
+        f = llama["file"]
+        print(f"  vs llama.cpp, same GGUF   decode {r['decode'] / f['tg128']:.2f}x its tg128 ({f['tg128']:.1f} tok/s), "
+              f"pp512 {r['pp512'] / f['pp512']:.2f}x its pp512 ({f['pp512']:.0f} tok/s)")
+        if "BF16" in llama and "quant" in results:
+            b, bq = llama["BF16"], results["quant"]["bf16"]
+            print(f"  vs llama.cpp, bf16        decode {bq['decode'] / b['tg128']:.2f}x its tg128 ({b['tg128']:.1f} tok/s), "
+                  f"pp512 {bq['pp512'] / b['pp512']:.2f}x ({b['pp512']:.0f} tok/s)")
     print(f"  time to first token       {r['ttft'] * 1000:7.0f} ms (128-token prompt)")
     print(f"  pp512                     {r['pp512']:7.0f} tok/s")
     if cold is not None:
@@ -239,7 +264,7 @@ def main():
               "threads": threads, "plan": {"dtype": plan.dtype, "weights": plan.weight_dtype,
                                            "attention": plan.attention, "linears": plan.linear_backend},
               "floors": {"w64_s": floor, "decode_tok_s": bw_floor}, "systems": systems,
-              "startup_s": {"cold": cold, "warm": warm}}
+              "startup_s": {"cold": cold, "warm": warm}, "llama.cpp": llama}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
