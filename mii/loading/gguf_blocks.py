@@ -3,9 +3,10 @@
 GGUF stores a quantized matrix row by row in blocks of 32 (or 256) input features. Where a block format is an
 affine map of small integers with fp16 constants, mii's packed layouts (`mii/layers/quant.py`) hold the same
 values: **Q8_0** (d · q, q int8) is int8 with scale d; **Q4_0** (d · (q − 8)) is int4 with scale d, offset −8d;
-**Q4_1** (d · q + m) is int4 with scale d, offset m — all three exactly, in groups of 32. **Q4_K** (d · sc_j · q −
-dmin · m_j per sub-block of 32, 6-bit sc_j and m_j) is int4 with scale d · sc_j and offset −dmin · m_j rounded to
-fp16: nearly (a relative error of at most 2^-11 of a group's scale and offset). Other formats have no such map.
+**Q4_1** (d · q + m) is int4 with scale d, offset m — all three exactly, in groups of 32. **Q4_K**
+(d · sc_j · q − dmin · m_j per sub-block of 32, 6-bit sc_j and m_j) is int4 with scale d · sc_j and offset
+−dmin · m_j rounded to fp16: nearly (a relative error of at most 2^-11 of a group's scale and offset). Other
+formats have no such map.
 
 The GGUF conversion (`gguf_file`) writes these (q, scale, offset) rows next to the dequantized weights, in
 `gguf_blocks/blocks.safetensors` of the cached folder (q of int4 two to a byte, low nibble first), so a load
@@ -66,7 +67,10 @@ def from_gguf(data: np.ndarray, fmt: str) -> Optional[RawBlocks]:
         head = 2 if fmt == "Q4_0" else 4
         b = raw.reshape(rows, -1, head + 16)
         d = b[..., :2].copy().view(np.float16)[..., 0]
-        m = (-8 * d.astype(np.float32)).astype(np.float16) if fmt == "Q4_0" else b[..., 2:4].copy().view(np.float16)[..., 0]
+        if fmt == "Q4_0":
+            m = (-8 * d.astype(np.float32)).astype(np.float16)
+        else:
+            m = b[..., 2:4].copy().view(np.float16)[..., 0]
         qs = b[..., head:]
         q = np.concatenate([qs & 15, qs >> 4], -1).reshape(rows, -1)
         return RawBlocks(fmt, torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))

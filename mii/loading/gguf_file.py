@@ -108,7 +108,8 @@ def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, Optiona
             heads = config["num_attention_heads"] if parts[2] == "attn_q" else config["num_key_value_heads"]
             w = _unpermute(w, heads)
             if raw is not None:  # the permutation moves whole rows: the blocks' rows move with them
-                raw = gguf_blocks.RawBlocks(raw.fmt, *(None if x is None else torch.from_numpy(_unpermute(x.numpy(), heads))
+                raw = gguf_blocks.RawBlocks(raw.fmt, *(None if x is None else
+                                                       torch.from_numpy(_unpermute(x.numpy(), heads))
                                                        for x in (raw.q, raw.scale, raw.offset)))
         yield name, torch.from_numpy(np.array(w, copy=True)), raw
 

@@ -2,9 +2,12 @@
 `mii/layers/quant.py`'s packed layouts, from what, and the account the engine plan shows.
 
 - **What**: every linear (`LinearBase`: fused q/k/v, o, gate/up, down, and the other families' projections).
-  Kept in the weight dtype: the LM head (its own choice: see `LM_HEAD`), the embedding (a step reads a few of
-  its rows, not the matrix), norms, biases, and MoE experts (stacked tensors the fused MoE layer multiplies
-  itself). The KV cache and the activations keep the model's dtype.
+  The LM head (and an embedding tied to it) takes a GGUF's own blocks where they map (SmolLM2's Q8_0: exact,
+  where bf16 rounds the file's values, and at one row 1.5x faster than bf16 through mii::linear_quant), else
+  stays in the weight dtype: every logit goes through it, so it is where quantization error would show most.
+  Kept in the weight dtype: an untied embedding (a step reads a few of its rows, not the matrix), norms, biases,
+  and MoE experts (stacked tensors the fused MoE layer multiplies itself). The KV cache and the activations keep
+  the model's dtype.
 - **When**: as each linear's weight is complete (`Quantizer.loaded`, called by `load_weights`), so the float
   copy is freed before the next is read: the resident memory after loading is the quantized model's. Under
   tensor parallelism each rank quantizes its own shard, so groups never straddle a shard boundary.
@@ -41,10 +44,6 @@ INT4_GROUP = 64
 GROUPS = (128, 64, 32)
 GGUF_GROUP = 32
 FLOAT_FORMATS = {"F32", "F16", "BF16", "F64"}
-LM_HEAD = "kept in the weight dtype: the logits of every sampled token go through it, so it is where int4 error " \
-          "would show most"
-
-
 @dataclass(frozen=True)
 class QuantSpec:
     """What the plan asked for: `scheme` int8 / int4 for every linear, or None with `keep_file` (auto on a GGUF:
@@ -99,10 +98,14 @@ class QuantReport:
     unquantized: dict = field(default_factory=dict)
     """Parameter name → why it stayed in the weight dtype (or why a GGUF linear was re-quantized)."""
     notes: list = field(default_factory=list)
+    lm_head: str = ""
+    """The GGUF block format the LM head kept, if it did."""
 
     def summary(self) -> str:
         parts = [f"{n} from the GGUF's {fmt} blocks" for fmt, n in sorted(self.kept_raw.items())]
         parts += [f"{n} quantized to {label}" for label, n in sorted(self.quantized.items())]
+        if self.lm_head:
+            parts.append(f"LM head from its {self.lm_head} blocks")
         if self.unquantized:
             parts.append(f"{len(self.unquantized)} not: " + "; ".join(_grouped(self.unquantized)))
         return ", ".join(parts) + ("; " + "; ".join(self.notes) if self.notes else "")
@@ -150,6 +153,9 @@ class Quantizer:
         self.spec = spec
         self.report = QuantReport()
         self.linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+        self.heads = {id(m.weight): m for m in model.modules() if type(m).__name__ == "ParallelLMHead"}
+        # an embedding tied to a packed LM head reads its rows dequantized: they must come out in its dtype
+        self.row_readers = [m for m in model.modules() if hasattr(m, "out_dtype") and hasattr(m, "weight")]
         self.blocks = None
         if spec.keep_file or (spec.active and folder is not None):
             from mii.loading import gguf_blocks
@@ -159,6 +165,14 @@ class Quantizer:
 
     def loaded(self, pname: str, param: nn.Parameter, sources: list) -> None:
         """`param` (named `pname`) has all its parts, from checkpoint tensors `sources` [(name, shard id)]."""
+        if id(param) in self.heads and self.blocks is not None and param.dim() == 2:
+            packed = self._from_blocks(pname, param, sources, lm_head=True)
+            if packed is not None:
+                for m in self.row_readers:
+                    if m.weight is param and m.out_dtype is None:
+                        m.out_dtype = param.dtype
+                param.data = packed
+            return
         module = self.linears.get(pname)
         if module is None or param.dim() != 2 or scheme(param) is not None:
             return
@@ -168,13 +182,13 @@ class Quantizer:
         if packed is not None:
             param.data = packed  # the float storage is freed here
 
-    def _from_blocks(self, pname: str, param: nn.Parameter, sources: list) -> Optional[torch.Tensor]:
+    def _from_blocks(self, pname: str, param: nn.Parameter, sources: list,
+                     lm_head: bool = False) -> Optional[torch.Tensor]:
         from mii.loading.gguf_blocks import EXACT, NEARLY
 
         fmts = {self.blocks.file_formats.get(name) for name, _ in sources}
         if not fmts <= set(EXACT + NEARLY):
             return None
-
         schemes = {INT8 if f == "Q8_0" else INT4 for f in fmts}
         wanted = self.spec.scheme
         if len(schemes) != 1 or (wanted is not None and schemes != {wanted}):
@@ -194,7 +208,11 @@ class Quantizer:
             loader(s, raw.scale, shard)
             if m is not None:
                 loader(m, raw.offset, shard)
-        self.report.kept_raw["/".join(sorted(f if f in EXACT else f"{f} (scales rounded to fp16)" for f in fmts))] += 1
+        label = "/".join(sorted(f if f in EXACT else f"{f} (scales rounded to fp16)" for f in fmts))
+        if lm_head:
+            self.report.lm_head = label
+        else:
+            self.report.kept_raw[label] += 1
         return pack_int4(q, s.float(), m.float()) if is_int4 else pack_int8(q, s.float())
 
     def _from_float(self, pname: str, param: nn.Parameter, sources: list) -> Optional[torch.Tensor]:

@@ -30,7 +30,8 @@ EXACT = {  # layer → tensor → format: fused parameters whose parts agree on 
 # quantize to it), F16
 FORMATS = {**EXACT, 2: dict(EXACT[0], attn_v=Q.Q5_0, ffn_gate=Q.Q4_K, ffn_up=Q.Q4_K),
            3: dict(EXACT[1], attn_output=Q.F16)}
-QKV2, GATE_UP2, O3 = "model.layers.2.self_attn.qkv_proj", "model.layers.2.mlp.gate_up_proj", "model.layers.3.self_attn.o_proj"
+QKV2, GATE_UP2 = "model.layers.2.self_attn.qkv_proj", "model.layers.2.mlp.gate_up_proj"
+O3 = "model.layers.3.self_attn.o_proj"
 
 
 def _q4k_blocks(rows: int, k: int, rng) -> np.ndarray:
@@ -151,7 +152,8 @@ def test_formats_without_a_map(path):
     ref = linears(load(path, None).model)
     got = load(path, AUTO)
     report, w = got.quantization, linears(got.model)
-    assert "re-quantized to int8 g32 from the file's Q4_0/Q5_0" in report.unquantized[QKV2 + ".weight"], report.summary()
+    why = report.unquantized[QKV2 + ".weight"]
+    assert "re-quantized to int8 g32 from the file's Q4_0/Q5_0" in why, report.summary()
     assert scheme(w[QKV2]) == "int8" and scheme(w[O3]) is None and torch.equal(w[O3], ref[O3])
     # int8 g32 from the file's values: within half a step of 1/127 of each group's largest magnitude
     r = ref[QKV2].view(ref[QKV2].shape[0], -1, 32)
