@@ -162,22 +162,30 @@ def test_formats_without_a_map(path):
 
 
 def test_pipeline_matches_transformers_on_its_weights(path):
-    """The quantized engine (auto: the file's blocks, Q4_K nearly, Q5_0 re-quantized) against transformers' own
-    reading of the same GGUF, holding the weights mii's packed linears dequantize to."""
+    """The quantized engine (auto: the file's blocks, Q4_K nearly, Q5_0 re-quantized; the tied LM head's Q8_0),
+    alone and over 2 tensor-parallel ranks (each packing its own shard), against transformers' own reading of
+    the same GGUF holding the weights mii's packed linears dequantize to."""
     from transformers import AutoModelForCausalLM
 
     pipe = mii.pipeline(str(path), dtype="float32")
+    prompts = prompts_for(VOCAB, lengths=(5, 40))
     try:
-        assert "from the GGUF's Q4_0 blocks" in pipe.engine_plan.quantization
+        assert "LM head from its Q8_0 blocks" in pipe.engine_plan.quantization
         assert sum(scheme(w) is not None for w in linears(pipe.engine.runner.model).values()) == 4 * 4 - 1
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         assert load_dequantized(hf, pipe.engine.runner.model) == 7 * 4 - 1
-        prompts = prompts_for(VOCAB, lengths=(5, 40))
+        ref = hf_greedy(None, prompts, 12, hf_model=hf)
         # mii::linear_quant rounds decode rows to int16 per 32 columns (~1e-5 of a dot product's magnitude), which
         # this random model's large logits turn into up to ~2e-3 of a log-probability
-        compare_greedy(pipe, prompts, hf_greedy(None, prompts, 12, hf_model=hf), 12, atol=1e-2)
+        compare_greedy(pipe, prompts, ref, 12, atol=1e-2)
     finally:
         pipe.destroy()
+    tp2 = mii.pipeline(str(path), dtype="float32", tensor_parallel=2, num_threads=1)
+    try:
+        assert "LM head from its Q8_0 blocks" in tp2.engine_plan.quantization
+        compare_greedy(tp2, prompts, ref, 12, atol=1e-2)
+    finally:
+        tp2.destroy()
 
 
 def test_explicit_scheme_keeps_the_blocks_that_map_to_it(path):
