@@ -64,3 +64,19 @@ def test_options_are_validated():
     assert quant_spec("auto", None, "cpu", "folder")[0].active is False
     assert quant_spec("auto", None, "cpu", "gguf")[0].keep_file
     assert [pick_group(k, 128) for k in (256, 576, 64, 48)] == [128, 64, 64, None]
+
+
+def test_cli_quantization_options(tiny, capsys):
+    """`mii explain MODEL --quantization int4 --quantization-group 32` shows the plan's quantization and weight bytes;
+    a value outside the choices is refused by the command line."""
+    from mii.cli import main
+
+    args = ["explain", str(tiny), "--dtype", "float32", "--quantization", "int4", "--quantization-group", "32"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "quantization         8 quantized to int4 g32" in out and "int4 g32" in out.split("weight bytes")[1], out
+    with pytest.raises(SystemExit):
+        main(["explain", str(tiny), "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+    assert main(["explain", str(tiny), "--quantization", "int4", "--quantization-group", "40"]) == 2
+    assert "quantization_group=40 is not a multiple of 32" in capsys.readouterr().err
