@@ -50,10 +50,6 @@ class EnginePlan:
     """Weight-only quantization of the linears (`mii.loading.quantize`): what each linear became and from what."""
     weight_bytes: dict = field(default_factory=dict)
     """Bytes of the weights by format ("int4 g32", "bf16", "fp32", ...), as loaded (one rank's shard)."""
-    quantization: str = "none"
-    """Weight-only quantization of the linears (`mii.loading.quantize`): what each linear became and from what."""
-    weight_bytes: dict = field(default_factory=dict)
-    """Bytes of the weights by format ("int4 g32", "bf16", "fp32", ...), as loaded (one rank's shard)."""
     prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks shared by content between requests (`mii.engine.kv_cache`)."""
     reasons: dict = field(default_factory=dict)
@@ -86,10 +82,6 @@ class EnginePlan:
                 ("prefix caching", "on" if self.prefix_caching else "off")]
         if self.cuda_graphs:
             rows.append(("cuda graphs", self.cuda_graphs))
-        rows.append(("quantization", self.quantization))
-        if self.weight_bytes:
-            rows.append(("weight bytes", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in self.weight_bytes.items())
-                         + (" per rank" if self.tensor_parallel > 1 else "")))
         rows.append(("quantization", self.quantization))
         if self.weight_bytes:
             rows.append(("weight bytes", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in self.weight_bytes.items())
