@@ -84,9 +84,13 @@ class EnginePlan:
             rows.append(("cuda graphs", self.cuda_graphs))
         rows.append(("quantization", self.quantization))
         if self.weight_bytes:
-            rows.append(("weight bytes", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in self.weight_bytes.items())
+            rows.append(("weight bytes", ", ".join(f"{k} {_size(v)}" for k, v in self.weight_bytes.items())
                          + (" per rank" if self.tensor_parallel > 1 else "")))
         return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 def cpu_has_fast_bf16() -> bool:
