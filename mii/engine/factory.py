@@ -42,13 +42,13 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
     plan = plan_device(model_config)
     torch.set_num_threads(plan.num_threads)
     source = resolve_source(model_config.model_name_or_path)
+    quant, plan.reasons["quantization"] = quant_spec(model_config.quantization, model_config.quantization_group,
+                                                     plan.device, source.kind)  # may refuse: before any rank starts
     started = None
     if tp_group is None and model_config.tensor_parallel > 1:
         if source.kind == "gguf":  # convert once here, before the other ranks read it
             gguf_file.cached_folder(source.path, source.name)
         tp_group = started = start(model_config.model_copy(update={"num_threads": plan.num_threads}), plan.device)
-    quant, plan.reasons["quantization"] = quant_spec(model_config.quantization, model_config.quantization_group,
-                                                     plan.device, source.kind)
     try:
         loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer,
                             bf16_weights=plan.linear_backend == "kernel", quantization=quant)
