@@ -6,8 +6,8 @@
   where bf16 rounds the file's values, and at one row 1.5x faster than bf16 through mii::linear_quant), else
   stays in the weight dtype: every logit goes through it, so it is where quantization error would show most.
   Kept in the weight dtype: an untied embedding (a step reads a few of its rows, not the matrix), norms, biases,
-  and MoE experts (stacked tensors the fused MoE layer multiplies itself). The KV cache and the activations keep
-  the model's dtype.
+  MoE routers (they pick the experts, and are tiny) and MoE experts (stacked tensors the fused MoE layer
+  multiplies itself). The KV cache and the activations keep the model's dtype.
 - **When**: as each linear's weight is complete (`Quantizer.loaded`, called by `load_weights`), so the float
   copy is freed before the next is read: the resident memory after loading is the quantized model's. Under
   tensor parallelism each rank quantizes its own shard, so groups never straddle a shard boundary.
@@ -36,6 +36,7 @@ from torch import nn
 
 from mii.errors import ModelLoadError, ValidationError
 from mii.layers.linear import LinearBase
+from mii.layers.moe import SparseMoeBlock
 from mii.layers.quant import INT4, INT8, group_size, pack_int4, pack_int8, quantize_int4, quantize_int8, scheme
 
 log = logging.getLogger("mii")
@@ -152,7 +153,11 @@ class Quantizer:
     def __init__(self, model: nn.Module, spec: QuantSpec, folder: Optional[Path] = None):
         self.spec = spec
         self.report = QuantReport()
-        self.linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+        # MoE routers stay float: they pick the experts (a flipped top-k changes the computation), and are tiny
+        routers = {id(r) for m in model.modules() if isinstance(m, SparseMoeBlock)
+                   for r in (m.gate, m.shared_expert_gate if m.shared_expert is not None else None) if r is not None}
+        self.linears = {f"{name}.weight": m for name, m in model.named_modules()
+                        if isinstance(m, LinearBase) and id(m) not in routers}
         self.heads = {id(m.weight): m for m in model.modules() if type(m).__name__ == "ParallelLMHead"}
         # an embedding tied to a packed LM head reads its rows dequantized: they must come out in its dtype
         self.row_readers = [m for m in model.modules() if hasattr(m, "out_dtype") and hasattr(m, "weight")]

@@ -80,3 +80,28 @@ def test_cli_quantization_options(tiny, capsys):
     assert "invalid choice: 'int3'" in capsys.readouterr().err
     assert main(["explain", str(tiny), "--quantization", "int4", "--quantization-group", "40"]) == 2
     assert "quantization_group=40 is not a multiple of 32" in capsys.readouterr().err
+
+
+def test_moe_quantizes_attention_not_routers_or_experts(tmp_path, tokenizer_dir):
+    """A tiny Mixtral with int4: the attention linears are packed; the router (it picks the experts) and the
+    stacked experts stay float; greedy tokens match transformers holding the dequantized attention weights."""
+    from transformers import MixtralConfig
+
+    from mii.layers.quant import scheme
+
+    cfg = MixtralConfig(vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, **TINY)
+    path = tiny_checkpoint(cfg, tmp_path, tokenizer_dir)
+    pipe = mii.pipeline(str(path), dtype="float32", quantization="int4",
+                        inference_engine_config={"state_manager": {"max_ragged_batch_size": 48, "kv_block_size": 8}})
+    try:
+        model = pipe.engine.runner.model
+        for layer in model.model.layers:
+            assert scheme(layer.self_attn.qkv_proj.weight) == "int4" and scheme(layer.self_attn.o_proj.weight)
+            assert scheme(layer.mlp.gate.weight) is None
+            assert all(scheme(p) is None for p in layer.mlp.experts.parameters())
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        assert load_dequantized(hf, model) == 4 * TINY["num_hidden_layers"]
+        prompts = prompts_for(VOCAB, lengths=(5, 37))
+        compare_greedy(pipe, prompts, hf_greedy(None, prompts, 12, hf_model=hf), 12, atol=2e-3)
+    finally:
+        pipe.destroy()
