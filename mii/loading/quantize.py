@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -35,11 +34,10 @@ import torch
 from torch import nn
 
 from mii.errors import ModelLoadError, ValidationError
+from mii.layers.embedding import ParallelLMHead
 from mii.layers.linear import LinearBase
 from mii.layers.moe import SparseMoeBlock
 from mii.layers.quant import INT4, INT8, group_size, pack_int4, pack_int8, quantize_int4, quantize_int8, scheme
-
-log = logging.getLogger("mii")
 
 INT4_GROUP = 64
 GROUPS = (128, 64, 32)
@@ -96,8 +94,10 @@ class QuantReport:
     """GGUF block format → linears packed from the file's own blocks."""
     quantized: collections.Counter = field(default_factory=collections.Counter)
     """"int4 g64" etc. → linears quantized from float values."""
+    requantized: dict = field(default_factory=dict)
+    """Parameter name → why a linear a GGUF stores quantized was quantized again from its values."""
     unquantized: dict = field(default_factory=dict)
-    """Parameter name → why it stayed in the weight dtype (or why a GGUF linear was re-quantized)."""
+    """Parameter name → why it stayed in the weight dtype."""
     notes: list = field(default_factory=list)
     lm_head: str = ""
     """The GGUF block format the LM head kept, if it did."""
@@ -107,8 +107,10 @@ class QuantReport:
         parts += [f"{n} quantized to {label}" for label, n in sorted(self.quantized.items())]
         if self.lm_head:
             parts.append(f"LM head from its {self.lm_head} blocks")
+        if self.requantized:
+            parts.append(f"{len(self.requantized)} " + "; ".join(_grouped(self.requantized)))
         if self.unquantized:
-            parts.append(f"{len(self.unquantized)} not: " + "; ".join(_grouped(self.unquantized)))
+            parts.append(f"{len(self.unquantized)} not quantized: " + "; ".join(_grouped(self.unquantized)))
         return ", ".join(parts) + ("; " + "; ".join(self.notes) if self.notes else "")
 
 
@@ -142,10 +144,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     return dict(out.most_common())
 
 
-def describe_bytes(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()) + f" (total {sum(sizes.values()) / 1e6:.1f} MB)"
-
-
 class Quantizer:
     """Packs each linear's weight as soon as `load_weights` has filled it (`loaded`), from the GGUF's blocks or
     from its float values; `report` says what it did."""
@@ -158,7 +156,7 @@ class Quantizer:
                    for r in (m.gate, m.shared_expert_gate if m.shared_expert is not None else None) if r is not None}
         self.linears = {f"{name}.weight": m for name, m in model.named_modules()
                         if isinstance(m, LinearBase) and id(m) not in routers}
-        self.heads = {id(m.weight): m for m in model.modules() if type(m).__name__ == "ParallelLMHead"}
+        self.heads = {id(m.weight): m for m in model.modules() if isinstance(m, ParallelLMHead)}
         # an embedding tied to a packed LM head reads its rows dequantized: they must come out in its dtype
         self.row_readers = [m for m in model.modules() if hasattr(m, "out_dtype") and hasattr(m, "weight")]
         self.blocks = None
@@ -177,9 +175,13 @@ class Quantizer:
                     if m.weight is param and m.out_dtype is None:
                         m.out_dtype = param.dtype
                 param.data = packed
+            elif self._file_quantized(sources):
+                self.report.unquantized[pname] = "the LM head, dequantized: its blocks do not map (to the scheme asked)"
             return
         module = self.linears.get(pname)
         if module is None or param.dim() != 2 or scheme(param) is not None:
+            if self.blocks is not None and param.dim() == 2 and self._file_quantized(sources):
+                self.report.unquantized[pname] = "dequantized: not a linear (an embedding reads a few rows a step)"
             return
         packed = self._from_blocks(pname, param, sources) if self.blocks is not None else None
         if packed is None:
@@ -220,6 +222,9 @@ class Quantizer:
             self.report.kept_raw[label] += 1
         return pack_int4(q, s.float(), m.float()) if is_int4 else pack_int8(q, s.float())
 
+    def _file_quantized(self, sources: list) -> bool:
+        return any(self.blocks.file_formats.get(name, "F32") not in FLOAT_FORMATS for name, _ in sources)
+
     def _from_float(self, pname: str, param: nn.Parameter, sources: list) -> Optional[torch.Tensor]:
         target, group = self.spec.scheme, self.spec.group
         if target is None:  # auto on a GGUF: re-quantize what the file quantized without a map, else keep float
@@ -227,19 +232,21 @@ class Quantizer:
                 return None
             fmts = {self.blocks.file_formats.get(name, "F32") for name, _ in sources}
             if not fmts - FLOAT_FORMATS:
+                self.report.unquantized[pname] = f"{'/'.join(sorted(fmts))} in the file"
                 return None
             target, group = INT8, GGUF_GROUP
-            self.report.unquantized[pname] = (f"re-quantized to int8 g32 from the file's {'/'.join(sorted(fmts))} "
+            self.report.requantized[pname] = (f"re-quantized to int8 g32 from the file's {'/'.join(sorted(fmts))} "
                                               "(no int4/int8 map as a whole)")
         n, k = param.shape
         if n % 2 or k % 32:
+            self.report.requantized.pop(pname, None)
             self.report.unquantized[pname] = f"[{n}, {k}]: needs an even number of rows and inputs in 32s"
             return None
         g = (pick_group(k, group) if group else k) if target == INT8 else pick_group(k, group)
         packed = quantize_int8(param.data, g) if target == INT8 else quantize_int4(param.data, g)
         if group and g != group:
             self.report.notes.append(f"{pname}: group {g} ({group} does not divide its {k} inputs)")
-        if pname not in self.report.unquantized:
+        if pname not in self.report.requantized:
             self.report.quantized[_label(packed)] += 1
         return packed
 

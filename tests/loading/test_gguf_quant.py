@@ -137,6 +137,7 @@ def test_blocks_kept_as_the_file_holds_them(path, rank, size):
     got = load(path, AUTO, rank, size)
     report, w = got.quantization, linears(got.model)
     assert sum(report.kept_raw.values()) == 4 * 4 - 2, report.summary()
+    assert report.unquantized == {O3 + ".weight": "F16 in the file"}, report.summary()
     assert "Q4_K (scales rounded to fp16)" in report.kept_raw, report.summary()
     for name in w:
         if name not in (QKV2, GATE_UP2, O3):
@@ -152,7 +153,7 @@ def test_formats_without_a_map(path):
     ref = linears(load(path, None).model)
     got = load(path, AUTO)
     report, w = got.quantization, linears(got.model)
-    why = report.unquantized[QKV2 + ".weight"]
+    why = report.requantized[QKV2 + ".weight"]
     assert "re-quantized to int8 g32 from the file's Q4_0/Q5_0" in why, report.summary()
     assert scheme(w[QKV2]) == "int8" and scheme(w[O3]) is None and torch.equal(w[O3], ref[O3])
     # int8 g32 from the file's values: within half a step of 1/127 of each group's largest magnitude
