@@ -69,7 +69,8 @@ class EnginePlan:
         return {**asdict(self), "weights": self.weight_dtype, "text": self.describe()}
 
     def describe(self) -> str:
-        rows = [("device", self.device), ("dtype", self.dtype), ("weights", self.weight_dtype),
+        weights = self.weight_dtype + ("; the linears int8/int4 (quantization)" if self.quantization != "none" else "")
+        rows = [("device", self.device), ("dtype", self.dtype), ("weights", weights),
                 ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
                 ("attention", ATTENTION_LABELS.get(self.attention, self.attention)),
