@@ -69,7 +69,8 @@ class EnginePlan:
         return {**asdict(self), "weights": self.weight_dtype, "text": self.describe()}
 
     def describe(self) -> str:
-        weights = self.weight_dtype + ("; the linears int8/int4 (quantization)" if self.quantization != "none" else "")
+        packed = any(k.startswith(("int4", "int8")) for k in self.weight_bytes)
+        weights = self.weight_dtype + ("; int8/int4 where quantization says" if packed else "")
         rows = [("device", self.device), ("dtype", self.dtype), ("weights", weights),
                 ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
