@@ -54,7 +54,7 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
                             bf16_weights=plan.linear_backend == "kernel", quantization=quant)
         plan.weight_bytes = loaded.weight_bytes
         if loaded.quantization is not None:
-            plan.quantization = loaded.quantization.summary()
+            plan.quantization = loaded.quantization.summary() or "none"
             if loaded.quantization.kept_raw or loaded.quantization.quantized:
                 plan.reasons["linears"] = "the int8/int4 linears: mii::linear_quant; this row: the other weights"
         if tp_group is None or tp_group.rank == 0:
