@@ -16,6 +16,7 @@ when `llama-quantize` is next to the binary (`bench/peers.py` says how to build 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import mii
@@ -58,9 +60,18 @@ def run_hf(model_path: str, prompts, outputs, dtype: torch.dtype, batch: int = 1
     return time.perf_counter() - t
 
 
+_fresh = itertools.count(1)
+
+
+def fresh_prompt(n: int) -> list[int]:
+    """n token ids no earlier request of this process began with: with prefix caching on (the default), a
+    repeated prompt would be a cache hit, and its time to first token not a prefill."""
+    return np.random.default_rng(next(_fresh)).integers(1000, 40000, n).tolist()
+
+
 def single_stream(pipe, prompt_len: int = 128, new_tokens: int = 256) -> tuple[float, float]:
-    """(time to first token, decode tokens/s after it) for one request alone."""
-    prompt = list(range(1000, 1000 + prompt_len))
+    """(time to first token, decode tokens/s after it) for one request alone, on a prompt not seen before."""
+    prompt = fresh_prompt(prompt_len)
     t = time.perf_counter()
     first = None
     for _ in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
@@ -71,10 +82,11 @@ def single_stream(pipe, prompt_len: int = 128, new_tokens: int = 256) -> tuple[f
 
 
 def prefill_rate(pipe, n: int = 512, repeat: int = 3) -> float:
-    """pp512: prompt tokens/s for one n-token prompt (its time to first token, best of `repeat`)."""
-    prompt = list(range(2000, 2000 + n))
+    """pp512: prompt tokens/s for one n-token prompt (its time to first token, best of `repeat`; a new prompt
+    each time, so no prefix is cached)."""
     best = float("inf")
     for _ in range(repeat):
+        prompt = fresh_prompt(n)
         t = time.perf_counter()
         pipe(prompt, max_new_tokens=1, do_sample=False)
         best = min(best, time.perf_counter() - t)
@@ -137,7 +149,7 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
 
 
 def measure(pipe, prompts, outputs, label: str) -> dict:
-    run_w64(pipe, prompts[:4], [8] * min(4, len(prompts)))  # warm-up
+    run_w64(pipe, [fresh_prompt(len(p)) for p in prompts[:4]], [8] * min(4, len(prompts)))  # warm-up, not W64's prompts
     r = {"w64": run_w64(pipe, prompts, outputs)}
     r["ttft"], r["decode"] = single_stream(pipe)
     r["pp512"] = prefill_rate(pipe)
