@@ -39,9 +39,9 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
     if tp_group is None and active_group() is not None:  # the layers' rank and size are process-wide
         raise ValidationError("tensor_parallel", "a tensor-parallel pipeline is running in this process; "
                                                  "destroy() it before creating another pipeline")
+    source = resolve_source(model_config.model_name_or_path)  # a wrong path fails before the kernels' build
     plan = plan_device(model_config)
     torch.set_num_threads(plan.num_threads)
-    source = resolve_source(model_config.model_name_or_path)
     quant, plan.reasons["quantization"] = quant_spec(model_config.quantization, model_config.quantization_group,
                                                      plan.device, source.kind)  # may refuse: before any rank starts
     started = None
