@@ -148,7 +148,8 @@ inline __m256i madd4(const __m256i* w, const int16_t* x) {  // sum over 4 (weigh
 
 // x rounded to int16 per chunk of 32 columns: `scale` per (row, chunk); `q` per (row, chunk) 64 int16 — for int4
 // columns 0-7, 8-15, 16-23, 24-31 each repeated twice (the two rows of a pair sit in the two 128-bit halves), for
-// int8 columns 0-31 then 32 unused; `gsum` per (row, weight group): sum of x / 4 (int4's offsets: 4 lanes a row).
+// int8 columns 0-31 then 32 unused; `gsum` per (row, weight group): the sum of the rounded x over the group / 4
+// (int4's offsets, added in 4 lanes a row; the rounded x, as the GEMM path multiplies the offsets with).
 struct XQ {
   std::vector<int16_t> q;
   std::vector<float> scale, gsum;
@@ -157,11 +158,16 @@ struct XQ {
     q.resize(M * chunks * 64);
     scale.resize(M * chunks);
     gsum.resize(M * groups);
+    const int64_t per_group = G / 32;
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K;
+      for (int64_t g = 0; g < groups; ++g) gsum[m * groups + g] = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
         int16_t v[32];
         const float s = round_chunk(xm + c * 32, v);
+        int32_t vsum = 0;  // exact
+        for (int k = 0; k < 32; ++k) vsum += v[k];
+        gsum[m * groups + c / per_group] += static_cast<float>(vsum) * s * 0.25f;
         int16_t* out = &q[(m * chunks + c) * 64];
         if (int4) {
           for (int j = 0; j < 4; ++j)
@@ -170,11 +176,6 @@ struct XQ {
           std::memcpy(out, v, 64);
         }
         scale[m * chunks + c] = s;
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < G; ++k) sum += xm[g * G + k];
-        gsum[m * groups + g] = sum * 0.25f;
       }
     }
   }

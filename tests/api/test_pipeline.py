@@ -56,28 +56,39 @@ def assert_same_responses(got, want, atol: float = 1e-4):
             assert all(abs(u - v) < atol for u, v in zip(xs, ys)), f"sequence {i} step {step}: {xs} != {ys}"
 
 
-def test_invariance_batch_chunking_preemption(default_pipe, chat_prompt):
+@pytest.mark.parametrize("quant", ["none", "auto"])
+def test_invariance_batch_chunking_preemption(default_pipe, chat_prompt, quant):
     """The same greedy tokens and (within 1e-4) logprobs alone, batched with 15 other prompts, with a 16-token
-    step budget (prompts chunked), and with a KV cache so small that sequences are preempted and recomputed."""
+    step budget (prompts chunked), and with a KV cache so small that sequences are preempted and recomputed; with
+    the weights dequantized and with the GGUF's int4/int8 blocks (the default). Their kernel rounds x to int16 on
+    every path alike, but an fp32 summation-order difference upstream (a batched prompt's attention) can move a
+    value across a rounding step, 2^-15 of the largest value of its 32 (large where an outlier channel sits among
+    them), and 30 layers carry that on: the tokens are the same, logprobs agree within 5e-3 there."""
     kwargs = dict(max_new_tokens=40, do_sample=False, logprobs=5)
-    alone = default_pipe(chat_prompt, **kwargs)
-    prompts = mixed_prompts(default_pipe)
-    prompts[5] = chat_prompt
-    batched = default_pipe(prompts, **kwargs)
-    assert_same_responses(batched[5:6], alone)
-    small_budget = mii.pipeline(dtype="float32", quantization="none",
+    atol = 1e-4 if quant == "none" else 5e-3
+    pipe = default_pipe if quant == "none" else mii.pipeline(dtype="float32", quantization=quant)
+    try:
+        alone = pipe(chat_prompt, **kwargs)
+        prompts = mixed_prompts(pipe)
+        prompts[5] = chat_prompt
+        batched = pipe(prompts, **kwargs)
+    finally:
+        if pipe is not default_pipe:
+            pipe.destroy()
+    assert_same_responses(batched[5:6], alone, atol)
+    small_budget = mii.pipeline(dtype="float32", quantization=quant,
                                 inference_engine_config={"state_manager": {"max_ragged_batch_size": 16}})
     try:
-        assert_same_responses(small_budget(prompts, **kwargs), batched)
+        assert_same_responses(small_budget(prompts, **kwargs), batched, atol)
     finally:
         small_budget.destroy()
     # 24 blocks of 8 tokens: the 16 prompts cannot all stay in the cache, so sequences are preempted and recomputed
-    tiny_kv = mii.pipeline(dtype="float32", quantization="none", inference_engine_config={"state_manager": {
+    tiny_kv = mii.pipeline(dtype="float32", quantization=quant, inference_engine_config={"state_manager": {
         "kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 24}}})
     try:
         again = tiny_kv(prompts, **kwargs)
         assert tiny_kv.engine.scheduler.num_preemptions > 0
-        assert_same_responses(again, batched)
+        assert_same_responses(again, batched, atol)
         assert tiny_kv.engine.kv.allocator.num_free == 24
     finally:
         tiny_kv.destroy()
