@@ -56,7 +56,7 @@ Layout layout_of(const at::Tensor& w) {
   return {int4, w.size(0), w.size(1), G, block};
 }
 
-// --- scalar reference of one weight element (portable path and the GEMM path's dequantization) ------------------
+// --- one weight element, for CPUs without AVX2 (where every row count takes the GEMM path) -----------------------
 
 inline float int4_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
   const float s = half_to_float(blk + 2 * row), m = half_to_float(blk + 4 + 2 * row);
@@ -263,12 +263,10 @@ inline void by_quads(int64_t M, F&& f) {  // f(m0, R) over rows of x in groups o
   for (; m + 4 <= M; m += 4) f(m, 4);
   if (M - m) f(m, static_cast<int>(M - m));
 }
-#endif
 
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y) {
   const int64_t N = L.N(), K = L.K(), pair_bytes = L.groups * L.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));  // ~64 KB a task
-#ifdef MII_QAVX2
   const XQ X(x, M, K, L.G, L.int4);
   if (L.int4) {
     at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
@@ -299,21 +297,8 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
       }
     });
   }
-#else
-  at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> rows(2 * K);
-    for (int64_t p = b; p < e; ++p) {
-      dequant_pairs(w, L, p, 1, rows.data());
-      for (int64_t m = 0; m < M; ++m)
-        for (int row = 0; row < 2; ++row) {
-          float s = 0.f;
-          for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * rows[row * K + k];
-          y[m * N + 2 * p + row] = s;
-        }
-    }
-  });
-#endif
 }
+#endif  // MII_QAVX2
 
 // Blocks of kGemmPairs row pairs in parallel: dequantize into a per-task buffer, then y[:, block] = x @ block.T.
 void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
@@ -349,15 +334,14 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
 #ifdef MII_QAVX2
-    const bool streaming = M <= kGemvRows;
-#else
-    const bool streaming = false;
-#endif
-    if (streaming) {
+    if (M <= kGemvRows) {
       gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>());
     } else {
       blocked_gemm(round_x(xf), wp, L, y);
     }
+#else
+    blocked_gemm(round_x(xf), wp, L, y);
+#endif
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
