@@ -274,6 +274,22 @@ void blocked_gemm(const at::Tensor& x, const uint16_t* w, bool tiled, int64_t N,
 
 }  // namespace
 
+// x as the linear kernels read it: [M, K], dense fp32 (a decode step's x already is: no dispatcher call then)
+at::Tensor linear_input(const at::Tensor& x, int64_t K) {
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
+  return x2.scalar_type() == at::kFloat && x2.is_contiguous() ? x2 : x2.to(at::kFloat).contiguous();
+}
+
+// y [M, N] fp32 -> plus the bias, in x's dtype and leading dimensions
+at::Tensor linear_output(at::Tensor y, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  if (x.dim() == 2) return y;
+  auto sizes = x.sizes().vec();
+  sizes.back() = y.size(1);
+  return y.view(sizes);
+}
+
 at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool tiled = weight.dim() == 3;
   TORCH_CHECK((weight.dim() == 2 || (tiled && weight.size(2) == kTile)) && weight.scalar_type() == at::kBFloat16,
@@ -281,8 +297,7 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t N = tiled ? weight.size(0) * 8 : weight.size(0), K = tiled ? weight.size(1) * 8 : weight.size(1);
   TORCH_CHECK(x.size(-1) == K, "linear_bf16w: x has ", x.size(-1), " features, the weight ", K);
   // (no dispatcher calls for what a decode step already has: 2-D dense fp32 rows and a dense weight)
-  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
-  const at::Tensor xf = x2.scalar_type() == at::kFloat && x2.is_contiguous() ? x2 : x2.to(at::kFloat).contiguous();
+  const at::Tensor xf = linear_input(x, K);
   const int64_t M = xf.size(0);
   const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
@@ -300,12 +315,7 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
       gemv<2>(xp, M, K, wp, N, yp);
     }
   }
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-  if (x.dim() == 2) return y;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.view(sizes);
+  return linear_output(y, x, bias);
 }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("linear_bf16w", &linear_bf16w_cpu); }

@@ -28,6 +28,10 @@
 #define MII_QAVX2 1
 #endif
 
+// linear_cpu.cpp's: x as the kernels read it, and y with bias in x's dtype and shape
+at::Tensor linear_input(const at::Tensor& x, int64_t K);
+at::Tensor linear_output(at::Tensor y, const at::Tensor& x, const c10::optional<at::Tensor>& bias);
+
 namespace {
 
 constexpr int64_t kGemvRows = 32;    // rows of x handled by the streaming kernel; more go through blocked GEMM
@@ -326,8 +330,7 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const Layout L = layout_of(weight);
   const int64_t N = L.N(), K = L.K();
   TORCH_CHECK(x.size(-1) == K, "linear_quant: x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
-  const at::Tensor xf = x2.scalar_type() == at::kFloat && x2.is_contiguous() ? x2 : x2.to(at::kFloat).contiguous();
+  const at::Tensor xf = linear_input(x, K);
   const int64_t M = xf.size(0);
   const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
@@ -343,12 +346,7 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
     blocked_gemm(round_x(xf), wp, L, y);
 #endif
   }
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-  if (x.dim() == 2) return y;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.view(sizes);
+  return linear_output(y, x, bias);
 }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("linear_quant", &linear_quant_cpu); }
