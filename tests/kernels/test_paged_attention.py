@@ -1,5 +1,7 @@
 """mii::paged_attention (the CPU kernel that reads KV blocks in place) against a plain-torch reference: mixed
-decode and prompt-chunk batches, GQA, sliding windows, block sizes 16/32, partial last blocks, fp32 and bf16."""
+decode and prompt-chunk batches, GQA, sliding windows, block sizes 16/32, partial last blocks, fp32 and bf16, head
+sizes that take each of its loops (64 and 128: whole 64-column passes; 80: a pass of 64 and one of 16; 36: the
+plain loops)."""
 import pytest
 import torch
 
@@ -32,8 +34,19 @@ def reference(q, k_cache, v_cache, tables, specs, scale, window):
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)])
 def test_matches_reference(dtype, tol, block_size, window, heads):
+    _check(dtype, tol, block_size, window, heads, 64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("d", [80, 36, 128])
+def test_head_sizes(dtype, tol, window, d):
+    _check(dtype, tol, 16, window, (6, 2), d)
+
+
+def _check(dtype, tol, block_size, window, heads, d):
     torch.manual_seed(0)
-    h, kvh, d, num_blocks = heads[0], heads[1], 64, 64
+    h, kvh, num_blocks = heads[0], heads[1], 64
     k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     # (tokens already cached, new tokens): decode rows first, then prompt chunks, some starting mid-sequence;
