@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mii.engine.constraints import fill_bitmask
+from mii.engine.kv_memory import KVPrefault, zeros_lazy
 from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample, unpack_bitmask
 from mii.engine.scheduler import ScheduledBatch
 from mii.layers.attention import AttentionContext, AttentionGroup
@@ -33,16 +34,6 @@ class StepOutput:
 
     def tokens_by_uid(self) -> dict[int, int]:
         return dict(zip(self.uids, self.sampled.tokens))
-
-
-def zeros_lazy(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU from calloc (numpy), so the pages are zeroed by the OS when first touched and a
-    large KV cache costs neither start-up time nor memory until it is used. Zeros matter: masked attention
-    still multiplies by never-written slots, and 0 * NaN would poison the output."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    raw = np.zeros(shape, dtype=np.dtype(f"u{dtype.itemsize}"))
-    return torch.from_numpy(raw).view(dtype)
 
 
 @dataclass
@@ -90,6 +81,10 @@ class ModelRunner:
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
         # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), dtype, device)
+        # on CPU its pages are faulted in by a background thread, 32 MB ahead of the blocks in use (kv_memory.py)
+        block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        self.prefault = KVPrefault(self.kv_cache, ahead=max(4, (32 << 20) // block_bytes)) \
+            if device.type == "cpu" else None
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             layer.backend = attention
@@ -187,6 +182,8 @@ class ModelRunner:
         if not scoring and self.graphs is not None and (logits := self.graphs.run(meta)) is not None:
             return logits
         input_ids, positions, ctx, logit_index = self._inputs(meta)
+        if self.prefault is not None and len(meta.slots):
+            self.prefault.want(int(meta.slots.max()) // self.block_size + 1)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         if scoring:  # the prompt positions to score follow the sampled rows: [R + P, V]
             logit_index = torch.cat([logit_index, torch.from_numpy(meta.prompt_index).to(self.device)])

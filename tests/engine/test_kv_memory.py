@@ -1,0 +1,76 @@
+"""The CPU KV cache's memory (mii/engine/kv_memory.py): zeroed lazily, its pages faulted in by a background thread
+a margin ahead of the blocks in use, without changing what the engine wrote; residency read back with mincore(2)."""
+import ctypes
+import gc
+import os
+import threading
+
+import torch
+
+from mii.engine.kv_memory import KVPrefault, zeros_lazy
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident(t: torch.Tensor) -> bool:
+    """Whether every page under tensor `t` (contiguous) is resident."""
+    assert t.is_contiguous()
+    start = t.data_ptr() - t.data_ptr() % PAGE
+    end = t.data_ptr() + t.numel() * t.element_size()
+    end += -end % PAGE
+    vec = (ctypes.c_ubyte * ((end - start) // PAGE))()
+    assert _libc.mincore(start, end - start, vec) == 0, os.strerror(ctypes.get_errno())
+    return all(v & 1 for v in vec)
+
+
+def _cache(blocks=64):
+    # [layers, 2, blocks, block_size, kv_heads, head_dim]: a block is 16 * 2 * 64 * 4 bytes = two pages per region
+    return zeros_lazy((2, 2, blocks, 16, 2, 64), torch.float32, torch.device("cpu"))
+
+
+def test_faults_in_ahead_of_use_and_keeps_content():
+    cache = _cache()
+    written = torch.randn(16, 2, 64)
+    cache[1, 0, 3] = written
+    assert not resident(cache[0, 1, 20]) and not resident(cache[1, 1, 5])
+    pre = KVPrefault(cache, ahead=4)
+    try:
+        pre.want(10)
+        assert pre.wait() and pre.error is None and pre.done == 14
+        for layer in range(2):
+            for kv in range(2):
+                assert resident(cache[layer, kv, :14]), (layer, kv)
+        # well past the margin: still not touched (the blocks' pages are whole, so block 20 shares none with 13)
+        assert not resident(cache[0, 0, 20:]) and not resident(cache[1, 1, 20:])
+        assert torch.equal(cache[1, 0, 3], written)
+        cache[1, 0, 3] = 0
+        assert not cache.view(torch.int32).any()  # nothing else was written
+        pre.want(100)  # clamped to the cache
+        assert pre.wait() and pre.done == 64 and resident(cache)
+    finally:
+        pre.close()
+
+
+def test_the_thread_ends_with_the_cache():
+    cache = _cache()
+    pre = KVPrefault(cache, ahead=8)
+    pre.want(0)
+    assert pre.wait()
+    thread = pre._thread
+    del cache
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert "mii-kv-prefault" not in [t.name for t in threading.enumerate()]
+
+
+def test_an_engine_faults_in_its_cache_as_it_goes(pipe):
+    """The engine's runner tells the thread the highest block each step writes."""
+    pre = pipe.engine.runner.prefault
+    pipe(["hello"] * 3, max_new_tokens=8)
+    assert pre.wait() and pre.error is None
+    assert pre.done >= min(pre.num_blocks, pre.ahead + 1)
+    cache = pipe.engine.runner.kv_cache
+    assert all(resident(cache[layer, kv, : pre.done]) for layer in range(cache.shape[0]) for kv in range(2))
