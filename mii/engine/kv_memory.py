@@ -52,15 +52,18 @@ def _madvise():
 
 class KVPrefault:
     """Faults in the pages of a CPU KV cache `[layers, 2, blocks, ...]` ahead of use. `want(n)`: the engine has
-    written blocks below `n`; the thread makes sure blocks below `n + ahead` are faulted in. Holds the cache only
-    weakly: a destroyed engine's cache is freed, and the thread ends."""
+    written blocks below `n`; the thread makes sure blocks below `n + ahead` are faulted in (`ahead`: by default
+    the blocks of 32 MB, at least 4). Holds the cache only weakly: a destroyed engine's cache is freed, and the
+    thread ends."""
 
-    def __init__(self, cache: torch.Tensor, ahead: int):
+    AHEAD_BYTES = 32 << 20
+
+    def __init__(self, cache: torch.Tensor, ahead: int | None = None):
         self._cache = weakref.ref(cache)
         self.num_blocks = cache.shape[2]
         self._regions = cache.shape[0] * cache.shape[1]
-        self._block_bytes = cache[0, 0, 0].numel() * cache.element_size()
-        self.ahead = ahead
+        self._block_bytes = cache[0, 0, 0].numel() * cache.element_size()  # one block in one region
+        self.ahead = ahead if ahead is not None else max(4, self.AHEAD_BYTES // (self._block_bytes * self._regions))
         self.done = 0  # blocks [0, done) are faulted in (as far as the kernel allowed)
         self._want = 0
         self._cv = threading.Condition()

@@ -82,9 +82,7 @@ class ModelRunner:
         # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), dtype, device)
         # on CPU its pages are faulted in by a background thread, 32 MB ahead of the blocks in use (kv_memory.py)
-        block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
-        self.prefault = KVPrefault(self.kv_cache, ahead=max(4, (32 << 20) // block_bytes)) \
-            if device.type == "cpu" else None
+        self.prefault = KVPrefault(self.kv_cache) if device.type == "cpu" else None
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             layer.backend = attention
