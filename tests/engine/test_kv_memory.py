@@ -1,16 +1,20 @@
-"""The CPU KV cache's memory (mii/engine/kv_memory.py): zeroed lazily, its pages faulted in by a background thread
+"""The CPU KV cache's memory (mii/engine/kv_memory.py): its pages faulted in by a background thread
 a margin ahead of the blocks in use, without changing what the engine wrote; residency read back with mincore(2)."""
 import ctypes
 import gc
+import math
+import mmap
 import os
 
 import torch
 
-from mii.engine.kv_memory import KVPrefault, zeros_lazy
+from mii.engine.kv_memory import KVPrefault
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_NOHUGEPAGE = 15  # linux/mman.h
 
 
 def resident(t: torch.Tensor) -> bool:
@@ -25,10 +29,14 @@ def resident(t: torch.Tensor) -> bool:
 
 
 def _cache(blocks=2048):
-    # [layers, 2, blocks, block_size, kv_heads, head_dim]: a block is 16 * 2 * 64 * 4 bytes = two pages per region;
-    # 64 MB in all, more than glibc ever serves from its heap (32 MB at most; calloc zeroes reused heap memory, which
-    # makes it resident), so it is a fresh mapping
-    return zeros_lazy((2, 2, blocks, 16, 2, 64), torch.float32, torch.device("cpu"))
+    """[layers, 2, blocks, block_size, kv_heads, head_dim], a block 16 * 2 * 64 * 4 bytes = two pages per region,
+    on a fresh anonymous mapping of small pages: calloc may serve reused (resident) memory, and one transparent
+    huge page would make 256 blocks resident at once where the test counts blocks."""
+    shape = (2, 2, blocks, 16, 2, 64)
+    mapping = mmap.mmap(-1, 4 * math.prod(shape))
+    cache = torch.frombuffer(mapping, dtype=torch.float32).view(shape)
+    assert _libc.madvise(cache.data_ptr(), len(mapping), MADV_NOHUGEPAGE) == 0, os.strerror(ctypes.get_errno())
+    return cache
 
 
 def test_faults_in_ahead_of_use_and_keeps_content():
