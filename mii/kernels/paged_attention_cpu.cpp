@@ -4,8 +4,9 @@
 // new K/V are written into their cache slots, then every query attends to its sequence's keys through the
 // block table, with an online softmax (flash-attention style, fp32 accumulation), causal, GQA, an optional
 // sliding window. No gathered copy of the blocks, no [S, L] mask. Work items are (sequence, kv head, tile of
-// queries); the query heads that share a kv head are processed together, so each key row is loaded once for
-// all of them.
+// queries, and for a decode row, part of the keys: see kSplitKeys); the query heads that share a kv head are
+// processed together, so each key row is loaded once for all of them, and the next block's rows are prefetched
+// while a block is computed.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -34,6 +36,11 @@ constexpr float kNegBig = -1e30f;
 // prompt chunks of at least this many tokens go through a contiguous copy of their sequence's K/V and ATen's
 // flash attention (GEMM-based: ~3x this file's loop at 256+ queries); the copy is O(keys), the work O(queries x keys)
 constexpr int kPromptChunk = 16;
+// a decode row's keys are split into parts of this many (whole blocks), each part its own work item, combined by
+// the last one to finish (flash-decoding): one sequence's kv heads alone are too few items for the threads (3 for
+// SmolLM2), and a part's keys are read by the thread that computes them. The parts depend on the sequence alone,
+// not on the batch around it, so a row's result does not either.
+constexpr int64_t kSplitKeys = 128;
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -127,14 +134,23 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
             int64_t q_stride, int64_t o_stride) {
   const int64_t group = n_heads / n_kv;
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
-  // work items: (sequence, kv head, query tile)
-  std::vector<int64_t> item_start(num_seqs + 1, 0);
+  const int64_t B = block_size, part_blocks = std::max<int64_t>(1, kSplitKeys / B);
+  // work items: (sequence, kv head, query tile, part of the keys); parts only for decode rows
+  std::vector<int64_t> item_start(num_seqs + 1, 0), parts(num_seqs, 1), partial_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {  // (prompt chunks of kPromptChunk+ tokens: prompt_chunk())
-    int64_t ql = query_start[s + 1] - query_start[s];
-    item_start[s + 1] = item_start[s] + (ql >= kPromptChunk ? 0 : n_kv * ((ql + tile - 1) / tile));
+    const int64_t ql = query_start[s + 1] - query_start[s];
+    if (ql == 1) {
+      const int64_t pos = seq_lens[s] - 1, lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      parts[s] = (pos / B - lo / B + part_blocks) / part_blocks;
+    }
+    item_start[s + 1] = item_start[s] + (ql >= kPromptChunk ? 0 : n_kv * ((ql + tile - 1) / tile) * parts[s]);
+    partial_start[s + 1] = partial_start[s] + (parts[s] > 1 ? n_kv * parts[s] : 0);
   }
+  // a split row's parts: per (sequence, kv head, part), `group` rows of (max, sum, accumulator [d])
+  std::vector<float> partial(partial_start[num_seqs] * group * (d + 2));
+  std::unique_ptr<std::atomic<int>[]> finished(new std::atomic<int>[num_seqs * n_kv]);
+  for (int64_t i = 0; i < num_seqs * n_kv; ++i) finished[i].store(0, std::memory_order_relaxed);
   const int64_t kv_row = n_kv * d;  // elements between consecutive slots of the cache
-  const int64_t B = block_size;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, item_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = std::min<int64_t>(kMaxRows, tile * group);
@@ -148,8 +164,8 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
       while (item_start[s + 1] <= item) ++s;
       const int64_t local = item - item_start[s];
       const int64_t ql = query_start[s + 1] - query_start[s];
-      const int64_t tiles = (ql + tile - 1) / tile;
-      const int64_t kvh = local / tiles, t0 = (local % tiles) * tile;
+      const int64_t tiles = (ql + tile - 1) / tile, np = parts[s];
+      const int64_t kvh = local / (tiles * np), t0 = (local / np % tiles) * tile, part = local % np;
       const int64_t nq = std::min(tile, ql - t0), rows = nq * group;
       const int64_t len = seq_lens[s], first_pos = len - ql;
       // rows are (query token, head in group); queries scaled, in fp32
@@ -169,9 +185,21 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
         hi = std::max(hi, pos + 1);
       }
       const int32_t* table = tables + s * table_width;
-      for (int64_t j0 = (lo / B) * B; j0 < hi; j0 += B) {  // one KV block at a time
+      const int64_t first_block = lo / B + part * part_blocks;
+      if (np > 1) hi = std::min(hi, (first_block + part_blocks) * B);  // this part's keys
+      for (int64_t j0 = first_block * B; j0 < hi; j0 += B) {  // one KV block at a time
         const int64_t base = static_cast<int64_t>(table[j0 / B]) * B;
         const int64_t nk = std::min(B, hi - j0);
+        if constexpr (std::is_same_v<T, float>) {
+          if (j0 + B < hi) {  // the next block's rows of this kv head, while this one is computed
+            const int64_t nb = static_cast<int64_t>(table[j0 / B + 1]) * B, nn = std::min(B, hi - j0 - B);
+            for (int64_t j = 0; j < nn; ++j)
+              for (int64_t e = 0; e < d; e += 16) {
+                __builtin_prefetch(k_cache + (nb + j) * kv_row + kvh * d + e);
+                __builtin_prefetch(v_cache + (nb + j) * kv_row + kvh * d + e);
+              }
+          }
+        }
         // the block's keys and values as float rows: in place for fp32, converted once per block otherwise
         const float *kblk, *vblk;
         int64_t row_stride;
@@ -209,14 +237,42 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
           values(ar, sr, vblk, row_stride, d, first, last);
         }
       }
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t tok = query_start[s] + t0 + i;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = i * group + g;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-          T* o = out + tok * o_stride + (kvh * group + g) * d;
-          for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[r * d + e] * inv);
+      if (np == 1) {
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t tok = query_start[s] + t0 + i;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = i * group + g;
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            T* o = out + tok * o_stride + (kvh * group + g) * d;
+            for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[r * d + e] * inv);
+          }
         }
+        continue;
+      }
+      // one of a decode row's parts: keep it; the last part to finish combines them all, in order of parts
+      const int64_t row_floats = d + 2;
+      float* mine = partial.data() + ((partial_start[s] + kvh * np + part) * group) * row_floats;
+      for (int64_t r = 0; r < group; ++r) {
+        mine[r * row_floats] = m[r];
+        mine[r * row_floats + 1] = l[r];
+        std::memcpy(mine + r * row_floats + 2, acc + r * d, d * sizeof(float));
+      }
+      if (finished[s * n_kv + kvh].fetch_add(1, std::memory_order_acq_rel) != np - 1) continue;
+      const float* all = partial.data() + (partial_start[s] + kvh * np) * group * row_floats;
+      const int64_t tok = query_start[s];
+      for (int64_t r = 0; r < group; ++r) {
+        float mx = kNegBig, sum = 0.f;
+        for (int64_t p = 0; p < np; ++p) mx = std::max(mx, all[(p * group + r) * row_floats]);
+        std::fill(acc, acc + d, 0.f);
+        for (int64_t p = 0; p < np; ++p) {
+          const float* pr = all + (p * group + r) * row_floats;
+          const float c = std::exp(pr[0] - mx);
+          sum += pr[1] * c;
+          for (int64_t e = 0; e < d; ++e) acc[e] += pr[2 + e] * c;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        T* o = out + tok * o_stride + (kvh * group + r) * d;
+        for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[e] * inv);
       }
     }
   });

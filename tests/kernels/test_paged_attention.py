@@ -44,14 +44,37 @@ def test_head_sizes(dtype, tol, window, d):
     _check(dtype, tol, 16, window, (6, 2), d)
 
 
-def _check(dtype, tol, block_size, window, heads, d):
+# (tokens already cached, new tokens): decode rows first, then prompt chunks, some starting mid-sequence;
+# short chunks (< 16 tokens) take the in-place loop, longer ones a contiguous copy and ATen's SDPA
+MIXED = [(40, 1), (5, 1), (31, 1), (0, 37), (70, 20), (32, 35), (10, 5), (0, 9), (44, 15)]
+# decode rows of 128+ keys: split into parts of 128 keys, each a work item, combined afterwards
+LONG = [(300, 1), (127, 1), (128, 1), (40, 1), (0, 20), (200, 3)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size,window", [(16, 0), (32, 0), (16, 150), (32, 200)])
+def test_long_decode_rows(dtype, tol, block_size, window):
+    _check(dtype, tol, block_size, window, (6, 2), 64, LONG)
+
+
+def test_a_row_alone_equals_the_row_in_a_batch():
+    """A decode row's parts depend on its own sequence, not on the batch: alone or among others, the same bits."""
+    out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
+        torch.float32, 1e-5, 16, 0, (6, 2), 64, LONG)
+    for i in (0, 2):  # 300 keys (3 parts), 128 keys (1 part, at the boundary)
+        t = int(query_start[i])
+        alone = torch.ops.mii.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_cache, v_cache, slots[t:t + 1],
+                                              torch.tensor([0, 1], dtype=torch.int32), seq_lens[i:i + 1],
+                                              block_tables[i:i + 1], 1, 64 ** -0.5, 0)
+        assert torch.equal(alone, out[t:t + 1])
+
+
+def _check(dtype, tol, block_size, window, heads, d, specs=MIXED):
     torch.manual_seed(0)
-    h, kvh, num_blocks = heads[0], heads[1], 64
+    h, kvh = heads
+    num_blocks = sum(-(-(p + n) // block_size) for p, n in specs) + 8
     k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # (tokens already cached, new tokens): decode rows first, then prompt chunks, some starting mid-sequence;
-    # short chunks (< 16 tokens) take the in-place loop, longer ones a contiguous copy and ATen's SDPA
-    specs = [(40, 1), (5, 1), (31, 1), (0, 37), (70, 20), (block_size, block_size + 3), (10, 5), (0, 9), (44, 15)]
     free = torch.randperm(num_blocks).tolist()
     tables, slots = [], []
     for prev, new in specs:
@@ -67,14 +90,16 @@ def _check(dtype, tol, block_size, window, heads, d):
     seq_lens = torch.tensor([p + n for p, n in specs], dtype=torch.int32)
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    out = torch.ops.mii.paged_attention(q, k, v, k_cache, v_cache, torch.tensor(slots), query_start, seq_lens,
-                                        block_tables, 37, d ** -0.5, window)
+    slots = torch.tensor(slots)
+    out = torch.ops.mii.paged_attention(q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables,
+                                        37, d ** -0.5, window)
     # the new keys and values are in their slots
     flat_k = k_cache.view(-1, kvh, d)
-    assert torch.equal(flat_k[torch.tensor(slots)], k)
+    assert torch.equal(flat_k[slots], k)
     expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
     assert out.shape == (T, h * d) and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    return out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables)
 
 
 def test_traceable_by_torch_compile():
