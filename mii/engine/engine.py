@@ -97,7 +97,9 @@ class Engine:
         self.config = model_config
         self.plan, self.runner = finish_plan_and_build_runner(loaded, model_config, plan, tp_group)
         plan = self.plan
-        self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size, prefix_caching=plan.prefix_caching)
+        prefault = self.runner.prefault
+        self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size, prefix_caching=plan.prefix_caching,
+                                 resident=None if prefault is None else prefault.resident)
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)
         if self.kv.capacity_tokens < plan.max_context:  # a longer sequence could never run
             plan.max_context = self.kv.capacity_tokens

@@ -10,14 +10,15 @@ starts (or starts again after preemption) attaches the longest run of its leadin
 reference counted and shared, and computes only the rest: at least one token, so that its next token has logits.
 Only full blocks are shared and a sequence writes only at positions >= its `num_computed`, past every full block
 it holds, so a shared block is never written. A block that nobody references keeps its content and its hash: it
-joins an LRU pool that the allocator takes from (forgetting the hash) only when the free list is empty.
+joins an LRU pool that the allocator takes from (forgetting the hash) when the free list is empty, or when the
+free list's next block has never been used and its memory is not yet faulted in (CPU caches; see BlockAllocator).
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 from mii.engine.sequence import Sequence
 from mii.errors import KVCacheError
@@ -37,9 +38,15 @@ def root_hash(salt: bytes) -> bytes:
 class BlockAllocator:
     """Hands out block ids and counts who references each. A block is in exactly one of three states: free (on
     the free list, no content), referenced (ref count > 0, by running sequences) or idle (ref count 0, its content
-    cached under its hash, in the LRU pool). Detects double frees and foreign ids."""
+    cached under its hash, in the LRU pool). Detects double frees and foreign ids.
 
-    def __init__(self, num_blocks: int):
+    `resident`: where the cache's memory is faulted in lazily (a CPU cache, `kv_memory`), a function giving the
+    number of low blocks whose pages are in place; then an idle block is reused before a free block whose memory
+    was never used, since a first touch costs page faults inside a step (about 150 MB/s on some virtual machines)
+    and prefix caching would otherwise keep moving to new memory. The cache's full capacity comes as its memory
+    is faulted in (in the engine's idle time). None: all memory in place, idle blocks only when the list is empty."""
+
+    def __init__(self, num_blocks: int, resident: Optional[Callable[[], int]] = None):
         if num_blocks < 1:
             raise KVCacheError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -50,6 +57,8 @@ class BlockAllocator:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, least recent first
         self.num_evictions = 0
         """Idle cached blocks taken back for new content."""
+        self._resident = resident
+        self._used = 0  # blocks below this id have been handed out before (the free list gives low ids first)
 
     @property
     def num_free(self) -> int:
@@ -74,12 +83,12 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """`n` blocks, each referenced once: from the free list, then by evicting the least recently used idle
-        cached blocks."""
+        cached blocks (before the free list where its next block's memory is untouched: see `resident`)."""
         if n > self.num_free:
             raise KVCacheError(f"asked for {n} KV blocks, {self.num_free} free")
         blocks = []
         for _ in range(n):
-            if self._free:
+            if self._free and not (self._idle and self._untouched(self._free[-1])):
                 b = self._free.pop()
             else:
                 b, _ = self._idle.popitem(last=False)
@@ -87,8 +96,12 @@ class BlockAllocator:
                 self._hash[b] = None
                 self.num_evictions += 1
             self._ref[b] = 1
+            self._used = max(self._used, b + 1)
             blocks.append(b)
         return blocks
+
+    def _untouched(self, block: int) -> bool:
+        return self._resident is not None and block >= max(self._used, self._resident())
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each of `blocks` (a sequence's table, in order). A block nobody references goes
@@ -142,11 +155,12 @@ class KVCacheManager:
     """Grows and releases sequences' block tables on top of a `BlockAllocator`; with `prefix_caching`, starts
     sequences on the cached blocks of their prefix and registers the blocks they complete."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+                 resident: Optional[Callable[[], int]] = None):
         if block_size < 1:
             raise KVCacheError(f"kv_block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, resident)
         self.prefix_caching = prefix_caching
         self.queried_tokens = 0
         """Tokens of the sequences that looked up their prefix (each start, restarts after preemption too)."""

@@ -5,6 +5,7 @@ import gc
 import math
 import mmap
 import os
+import time
 
 import torch
 
@@ -44,7 +45,7 @@ def test_faults_in_ahead_of_use_and_keeps_content():
     written = torch.randn(16, 2, 64)
     cache[1, 0, 3] = written
     assert not resident(cache[0, 1, 20]) and not resident(cache[1, 1, 5])
-    pre = KVPrefault(cache, ahead=4)
+    pre = KVPrefault(cache, ahead=4, idle_after=None)
     try:
         pre.want(10)
         assert pre.wait() and pre.error is None and pre.done == 14
@@ -58,6 +59,23 @@ def test_faults_in_ahead_of_use_and_keeps_content():
         assert not cache.view(torch.int32).any()  # nothing else was written
         pre.want(5000)  # clamped to the cache
         assert pre.wait() and pre.done == 2048 and resident(cache)
+    finally:
+        pre.close()
+
+
+def test_an_idle_engine_gets_up_to_twice_what_it_used():
+    cache = _cache()
+    pre = KVPrefault(cache, ahead=4, idle_after=0.05)
+    try:
+        pre.want(10)
+        deadline = time.monotonic() + 30
+        while pre.done < 24 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # and no further
+        assert pre.done == 24 == pre.resident() and pre.error is None
+        assert all(resident(cache[layer, kv, :24]) for layer in range(2) for kv in range(2))
+        assert not resident(cache[0, 0, 24:]) and not resident(cache[1, 1, 24:])
+        assert not cache.view(torch.int32).any()
     finally:
         pre.close()
 

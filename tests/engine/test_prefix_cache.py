@@ -71,6 +71,28 @@ def test_allocator_sharing_idle_pool_and_eviction_order():
     assert a.num_free == 1 and a.lookup(b"h0") == 0          # a failed call changes nothing
 
 
+def test_allocator_reuses_idle_blocks_before_untouched_memory():
+    """With lazily faulted memory (`resident`: blocks below it are in place), an idle cached block is taken
+    before a free block never used whose pages are not in place; blocks used before, or faulted in, first."""
+    resident = [2]
+    a = BlockAllocator(8, resident=lambda: resident[0])
+    x = a.allocate(3)                                        # [0, 1, 2]: 2 is past `resident`, the list had no idle
+    for i, b in enumerate(x):
+        assert a.register(b, b"h%d" % i)
+    a.free(x)                                                # all idle; the free list holds 3..7, never used
+    assert a.allocate(2) == [2, 1] and a.num_evictions == 2  # idle (least recently used: the tail first)
+    a.free([2])                                              # not cached any more: to the free list, used before
+    assert a.allocate(1) == [2]                              # used before: no page faults, so the free list
+    resident[0] = 5                                          # the background thread faulted in blocks 3 and 4
+    assert a.allocate(2) == [3, 4] and a.lookup(b"h0") == 0  # now in place: the free list, the cache kept
+    assert a.allocate(2) == [0, 5]                           # 5 untouched: idle block 0 first; then nothing idle
+    plain = BlockAllocator(4)                                # no `resident`: all memory in place
+    y = plain.allocate(1)
+    assert plain.register(y[0], b"h")
+    plain.free(y)
+    assert plain.allocate(1) == [1] and plain.lookup(b"h") == 0
+
+
 def test_shared_prefix_computes_only_the_rest():
     kv = KVCacheManager(32, BS, prefix_caching=True)
     s = Scheduler(kv, max_batch_tokens=6, max_batch_seqs=8)
