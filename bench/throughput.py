@@ -124,16 +124,17 @@ def resident_bytes() -> int:
 
 
 def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
-    """W64, single stream and resident memory of the embedded model as int4 (its GGUF's blocks), int8 and bf16,
-    one after the other in this process: smallest first, so that memory freed by one and reused by the next can
-    only make the larger ones look smaller."""
+    """W64, single stream and resident memory of the embedded model as int4 (its GGUF's blocks), int4 with int8
+    activations (quantize_activations), int8 and bf16, one after the other in this process: smallest first, so
+    that memory freed by one and reused by the next can only make the larger ones look smaller."""
     import ctypes
     import gc
 
     out = {}
-    for q, label in (("auto", "int4"), ("int8", "int8"), ("none", "bf16")):
+    for q, act8, label in (("auto", False, "int4"), ("auto", True, "int4 a8"), ("int8", False, "int8"),
+                           ("none", False, "bf16")):
         before = resident_bytes()
-        pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q)
+        pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8)
         grown = resident_bytes() - before
         r = measure(pipe, prompts, outputs, f"mii {label}")
         r.update(rss_mb=grown / 1e6, weights_mb={k: v / 1e6 for k, v in pipe.engine_plan.weight_bytes.items()},
@@ -246,7 +247,7 @@ def main():
     if "quant" in results:
         qr = results["quant"]
         b = qr["bf16"]
-        for label in ("int8", "int4"):
+        for label in ("int8", "int4", "int4 a8"):
             x = qr[label]
             print(f"  {label} vs bf16 weights     decode {x['decode'] / b['decode']:.2f}x ({x['decode']:.1f} vs "
                   f"{b['decode']:.1f} tok/s), W64 {b['w64'] / x['w64']:.2f}x, resident {x['rss_mb']:.0f} vs "
@@ -258,6 +259,10 @@ def main():
         f = llama["file"]
         print(f"  vs llama.cpp, same GGUF   decode {r['decode'] / f['tg128']:.2f}x its tg128 ({f['tg128']:.1f} tok/s), "
               f"pp512 {r['pp512'] / f['pp512']:.2f}x its pp512 ({f['pp512']:.0f} tok/s)")
+        if "quant" in results:
+            a8 = results["quant"]["int4 a8"]
+            print(f"  int4 a8 vs llama.cpp      decode {a8['decode'] / f['tg128']:.2f}x its tg128 (quantize_activations: "
+                  f"llama.cpp's Q8 activations too)")
         if "BF16" in llama and "quant" in results:
             b, bq = llama["BF16"], results["quant"]["bf16"]
             print(f"  vs llama.cpp, bf16        decode {bq['decode'] / b['tg128']:.2f}x its tg128 ({b['tg128']:.1f} tok/s), "

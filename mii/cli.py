@@ -14,13 +14,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only int8/int4 linears on CPU (auto: a GGUF keeps its own quantization, a float "
                         "checkpoint none; none: every weight in the model's dtype)")
+    p.add_argument("--quantize-activations", action="store_true",
+                   help="int4 linears multiply inputs rounded to int8 (llama.cpp's Q8 activations): faster decode, "
+                        "outputs close but not identical")
     p.add_argument("--quantization-group", type=int, default=None, metavar="G",
                    help="input features per scale (a multiple of 32; default 64 for int4, per channel for int8)")
 
 
 def _model_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel,
-                quantization=args.quantization, quantization_group=args.quantization_group)
+                quantization=args.quantization, quantization_group=args.quantization_group,
+                quantize_activations=args.quantize_activations)
 
 
 def _split_model_prompt(values: list[str]) -> tuple[str | None, str]:

@@ -48,6 +48,8 @@ class EnginePlan:
     """On a GPU: the captured decode batch sizes, capture time and memory, or why there are none."""
     quantization: str = "none"
     """Weight-only quantization of the linears (`mii.loading.quantize`): what each linear became and from what."""
+    activations: str = ""
+    """`quantize_activations`: which linears round their inputs to int8 ("" when none do)."""
     weight_bytes: dict = field(default_factory=dict)
     """Bytes of the weights by format ("int4 g32", "bf16", "fp32", ...), as loaded (one rank's shard)."""
     prefix_caching: bool = True
@@ -85,6 +87,8 @@ class EnginePlan:
         if self.cuda_graphs:
             rows.append(("cuda graphs", self.cuda_graphs))
         rows.append(("quantization", self.quantization))
+        if self.activations:
+            rows.append(("activations", self.activations))
         if self.weight_bytes:
             rows.append(("weight bytes", ", ".join(f"{k} {_size(v)}" for k, v in self.weight_bytes.items())
                          + (" per rank" if self.tensor_parallel > 1 else "")))

@@ -46,12 +46,13 @@ _lib.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, floa
 _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()")
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
 _lib.define("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_lib.define("linear_quant(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("linear_quant(Tensor x, Tensor weight, Tensor? bias, bool act8=False) -> Tensor")
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
             "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
-            "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows) -> (Tensor, Tensor)")
+            "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows, bool act8=False) "
+            "-> (Tensor, Tensor)")
 
 
 @torch.library.register_fake("mii::paged_attention")
@@ -76,7 +77,7 @@ def _(x):
 
 @torch.library.register_fake("mii::decoder_stack")
 def _(x, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables, max_query_len, n_heads,
-      n_kv_heads, head_dim, scale, eps, norm_offset, windows):
+      n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8=False):
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -91,7 +92,7 @@ def _(logits, temperature, top_k, top_p, min_p, seeds, steps):
 
 
 @torch.library.register_fake("mii::linear_quant")
-def _(x, weight, bias):  # weight packed int4 [N/2, K/G, 8 + G] (uint8) or int8 [N/2, K/G, 8 + 2G] (int8)
+def _(x, weight, bias, act8=False):  # weight packed int4 [N/2, K/G, 8 + G] (uint8) or int8 [N/2, K/G, 8 + 2G]
     return x.new_empty(*x.shape[:-1], weight.shape[0] * 2)
 
 

@@ -20,7 +20,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t max_query_len,
                                double scale, int64_t window);
 at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                            bool act8);
 
 namespace {
 
@@ -28,12 +29,13 @@ constexpr int64_t kPerLayer = 14;  // parameters per layer (see decoder_stack_cp
 
 // x @ w.T + b, the way the layer's linear computes it: mii::linear_quant for a quantized weight (int4: uint8,
 // int8: int8, both 3-D), mii::linear_bf16w for a bf16 weight under fp32 math (or a tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
-// under tensor parallelism): `bias_after` does the same, so the rounding is the eager one.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool bias_after = false) {
+// under tensor parallelism): `bias_after` does the same, so the rounding is the eager one. `act8`: the int4
+// linears' inputs rounded to int8 (quantize_activations).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool act8, bool bias_after = false) {
   const bool has_bias = b.defined() && b.numel() > 0;
   const c10::optional<at::Tensor> bias = has_bias && !bias_after ? c10::optional<at::Tensor>(b) : c10::nullopt;
   const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
-  at::Tensor y = quantized ? linear_quant_cpu(x, w, bias)
+  at::Tensor y = quantized ? linear_quant_cpu(x, w, bias, act8)
                  : w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
                      ? linear_bf16w_cpu(x, w, bias)
                      : at::linear(x, w, bias);
@@ -46,12 +48,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 // them. params: per layer, in order: input norm weight, qkv weight, qkv bias, o weight, o bias, post-attention
 // norm weight, gate_up weight, gate_up bias, down weight, down bias, rotary cos, rotary sin, q norm weight, k norm
 // weight (a bias or q/k norm not present is an empty tensor). caches: per layer k_cache, v_cache. windows: per
-// layer (0: none).
+// layer (0: none). act8: as the layers' int4 linears (quantize_activations).
 std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const at::Tensor& x_in, const at::Tensor& positions, at::TensorList params, at::TensorList caches,
     const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& seq_lens,
     const at::Tensor& block_tables, int64_t max_query_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-    double scale, double eps, double norm_offset, at::IntArrayRef windows) {
+    double scale, double eps, double norm_offset, at::IntArrayRef windows, bool act8) {
   constexpr int64_t P = kPerLayer;
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * P && static_cast<int64_t>(caches.size()) == 2 * layers,
@@ -68,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     } else {
       std::tie(h, residual) = rms_norm_cpu(x, residual, p[0], eps, norm_offset);
     }
-    const at::Tensor qkv = linear(h, p[1], p[2]);
+    const at::Tensor qkv = linear(h, p[1], p[2], act8);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
@@ -82,9 +84,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
     const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
                                                 block_tables, max_query_len, scale, windows[i]);
-    const at::Tensor o = linear(attn, p[3], p[4], /*bias_after=*/true);
+    const at::Tensor o = linear(attn, p[3], p[4], act8, /*bias_after=*/true);
     std::tie(h, residual) = rms_norm_cpu(o, residual, p[5], eps, norm_offset);
-    x = linear(silu_and_mul_cpu(linear(h, p[6], p[7])), p[8], p[9], /*bias_after=*/true);
+    x = linear(silu_and_mul_cpu(linear(h, p[6], p[7], act8)), p[8], p[9], act8, /*bias_after=*/true);
   }
   return {x, residual};
 }

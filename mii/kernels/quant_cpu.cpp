@@ -4,11 +4,16 @@
 // - Up to kGemvRows rows of x (decode): x is rounded to int16 per 32 columns (scale = max |x| / 32767, an error
 //   under 2^-15 of the chunk's largest value: far below bf16's 2^-9), so that the weights are multiplied as
 //   integers: `vpmaddwd` does 16 multiply-adds in one instruction where widening every weight to fp32 takes three
-//   instructions per 8. Each chunk's int32 sums are scaled once (x's scale, then the group's weight scale), and
-//   int4's offsets add m * sum(x) per group. int4: one mask and one shift give a row pair's 64 nibbles as bytes
-//   (row a in the low 128 bits, row b in the high, as GGUF stores them: byte b is column b and column b + 16),
-//   and byte-to-int16 unpacks feed `vpmaddwd` against x's 8 columns repeated twice; int8: 16 columns of a row
-//   per sign-extending load.
+//   instructions per 8. int4: one mask and one shift give a row pair's 64 nibbles as bytes (row a in the low 128
+//   bits, row b in the high, as GGUF stores them: byte b is column b and column b + 16), and byte-to-int16
+//   unpacks feed `vpmaddwd` against x's 8 columns repeated twice; int8: 16 columns of a row per sign-extending
+//   load. Each chunk's int32 sums are scaled once (x's scale, then the group's weight scale), and int4's offsets
+//   add m * sum(x) per group.
+// - `act8` (int4 only, opt-in: `quantize_activations`): x rounded to int8 instead (scale = max |x| / 127), as
+//   llama.cpp's Q8 activations for its 4-bit dot products, so that `vpmaddubsw` multiplies 32 unsigned nibbles by
+//   32 signed bytes in one instruction (x's columns 0-15 and 16-31 each repeated twice). Faster, but an error up
+//   to 1/254 of the chunk's largest |x|: results are close, no longer exact, and a row's result can move with
+//   fp32-level differences upstream (its batch), where 16-bit rounding keeps them below bf16's precision.
 // - More rows (prompt chunks, big batches): each task dequantizes a block of rows into an fp32 buffer that stays
 //   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first, so that a row's result does
 //   not depend on how many rows share its step beyond fp32 summation order (batch invariance, prefix caching).
@@ -21,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -74,24 +80,29 @@ inline float int8_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
   return s * static_cast<float>(reinterpret_cast<const int8_t*>(blk + 8 + row * G)[col]);
 }
 
-// x's chunk of 32 columns rounded to int16: v = round(x / s) with s = max |x| / 32767; returns s
-inline float round_chunk(const float* xc, int16_t* v) {
+// x's chunk of 32 columns rounded to int16 (int8 weights) or int8 (int4 weights): v = round(x * (1 / s)) with
+// s = max |x| * (1 / 32767) or (1 / 127); returns s. mii/layers/quant.py's round_activations is the same
+// arithmetic, operation for operation, so the reference rounds exactly as the kernel does.
+template <typename Q>
+inline float round_chunk(const float* xc, Q* v) {
+  constexpr float kInvMax = std::is_same_v<Q, int8_t> ? 1.f / 127.f : 1.f / 32767.f;
   float amax = 0.f;
   for (int k = 0; k < 32; ++k) amax = std::max(amax, std::abs(xc[k]));
-  const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
-  for (int k = 0; k < 32; ++k) v[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));
+  const float s = amax > 0.f ? amax * kInvMax : 1.f, inv = 1.f / s;
+  for (int k = 0; k < 32; ++k) v[k] = static_cast<Q>(std::nearbyint(xc[k] * inv));
   return s;
 }
 
-// x as the decode path sees it (every chunk rounded to int16, times its scale), for the GEMM path: a row's result
-// then does not depend on how many rows share its step (up to the GEMM's fp32 summation order)
+// x as the decode path sees it (every chunk rounded, times its scale), for the GEMM path: a row's result then
+// does not depend on how many rows share its step (up to the GEMM's fp32 summation order)
+template <typename Q>
 at::Tensor round_x(const at::Tensor& x) {
   auto out = at::empty_like(x);
   const float* src = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t chunks = x.numel() / 32;
   at::parallel_for(0, chunks, 256, [&](int64_t b, int64_t e) {
-    int16_t v[32];
+    Q v[32];
     for (int64_t c = b; c < e; ++c) {
       const float s = round_chunk(src + c * 32, v);
       for (int k = 0; k < 32; ++k) dst[c * 32 + k] = static_cast<float>(v[k]) * s;
@@ -142,63 +153,56 @@ inline float hsum128(__m128 s) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256i madd4(const __m256i* w, const int16_t* x) {  // sum over 4 (weights, x) vector pairs, int32 lanes
-  const __m256i a = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  const __m256i b = _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-  const __m256i c = _mm256_madd_epi16(w[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
-  const __m256i d = _mm256_madd_epi16(w[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 48)));
-  return _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
-}
 
-// x rounded to int16 per chunk of 32 columns: `scale` per (row, chunk); `q` per (row, chunk) 64 int16 — for int4
-// columns 0-7, 8-15, 16-23, 24-31 each repeated twice (the two rows of a pair sit in the two 128-bit halves), for
-// int8 columns 0-31 then 32 unused; `gsum` per (row, weight group): the sum of the rounded x over the group / 4
-// (int4's offsets, added in 4 lanes a row; the rounded x, as the GEMM path multiplies the offsets with).
+// x rounded per chunk of 32 columns: `scale` per (row, chunk); `q` per (row, chunk) — int4 (Q = int8_t): 64
+// bytes, columns 0-15 twice then 16-31 twice (the two rows of a weight pair sit in the two 128-bit halves); int8
+// (Q = int16_t): columns 0-31. `gsum` per (row, weight group): the sum of the rounded x over the group / 4 (int4's
+// offsets, added in 4 lanes a row; the rounded x, as the GEMM path multiplies the offsets with).
+template <typename Q, bool kInt4 = std::is_same_v<Q, int8_t>>
 struct XQ {
-  std::vector<int16_t> q;
+  static constexpr int64_t kStride = kInt4 ? 64 : 32;
+  static constexpr int kRun = std::is_same_v<Q, int8_t> ? 16 : 8;  // columns in a run repeated twice (int4)
+  std::vector<Q> q;
   std::vector<float> scale, gsum;
   int64_t chunks, groups;
-  XQ(const float* x, int64_t M, int64_t K, int64_t G, bool int4) : chunks(K / 32), groups(K / G) {
-    q.resize(M * chunks * 64);
+  XQ(const float* x, int64_t M, int64_t K, int64_t G) : chunks(K / 32), groups(K / G) {
+    q.resize(M * chunks * kStride);
     scale.resize(M * chunks);
-    gsum.resize(M * groups);
+    gsum.assign(M * groups, 0.f);
     const int64_t per_group = G / 32;
     for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      for (int64_t g = 0; g < groups; ++g) gsum[m * groups + g] = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
-        int16_t v[32];
-        const float s = round_chunk(xm + c * 32, v);
+        Q v[32];
+        const float s = round_chunk(x + m * K + c * 32, v);
         int32_t vsum = 0;  // exact
         for (int k = 0; k < 32; ++k) vsum += v[k];
         gsum[m * groups + c / per_group] += static_cast<float>(vsum) * s * 0.25f;
-        int16_t* out = &q[(m * chunks + c) * 64];
-        if (int4) {
-          for (int j = 0; j < 4; ++j)
-            for (int h = 0; h < 2; ++h) std::memcpy(out + j * 16 + h * 8, v + j * 8, 16);
+        Q* out = &q[(m * chunks + c) * kStride];
+        if constexpr (kStride == 64) {
+          for (int h = 0; h < 64 / kRun; ++h) std::memcpy(out + h * kRun, v + (h / 2) * kRun, kRun * sizeof(Q));
         } else {
-          std::memcpy(out, v, 64);
+          std::memcpy(out, v, sizeof(v));
         }
         scale[m * chunks + c] = s;
       }
     }
   }
-  const int16_t* at(int64_t m, int64_t chunk) const { return &q[(m * chunks + chunk) * 64]; }
+  const Q* at(int64_t m, int64_t chunk) const { return &q[(m * chunks + chunk) * kStride]; }
 };
 
-// R rows of x (R <= 4) against row pair p: y[m, 2p], y[m, 2p + 1]. The rows' data sit in locals (through X the
-// compiler reloads them every chunk), consecutive groups alternate between two sets of accumulators, and the
-// offsets have their own: one chain of dependent FMAs (4 cycles each) would otherwise set the pace of a single
-// row, not the instructions (1.2x on a decode step's linears).
+// R rows of x (R <= 4) against row pair p: y[m, 2p], y[m, 2p + 1], x rounded to int8 (`act8`). Consecutive
+// groups alternate between two sets of accumulators, and the offsets have their own: a single chain of dependent
+// FMAs (4 cycles each) would otherwise set the pace of a single row, not the instructions (1.2x on a decode
+// step's linears). The rows' data sit in locals: through X the compiler reloads them every chunk.
 template <int R>
-inline void int4_pair(const uint8_t* pw, const Layout& L, const XQ& X, int64_t m0, float* y, int64_t N, int64_t p) {
-  const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+inline void int4_pair8(const uint8_t* pw, const Layout& L, const XQ<int8_t>& X, int64_t m0, float* y, int64_t N,
+                      int64_t p) {
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i s_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), m_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t cpg = L.G / 32, groups = L.groups, block = L.block;  // cpg: chunks per group
-  const int16_t* xq[R];
+  const int8_t* xq[R];
   const float *xs[R], *gs[R];
-  for (int r = 0; r < R; ++r)
-    xq[r] = X.at(m0 + r, 0), xs[r] = &X.scale[(m0 + r) * X.chunks], gs[r] = &X.gsum[(m0 + r) * groups];
+  for (int r = 0; r < R; ++r) xq[r] = X.at(m0 + r, 0), xs[r] = &X.scale[(m0 + r) * X.chunks], gs[r] = &X.gsum[(m0 + r) * groups];
   __m256 tot[2][R], off[2][R];
   for (int j = 0; j < 2; ++j)
     for (int r = 0; r < R; ++r) tot[j][r] = off[j][r] = _mm256_setzero_ps();
@@ -215,12 +219,62 @@ inline void int4_pair(const uint8_t* pw, const Layout& L, const XQ& X, int64_t m
       for (int64_t c = 0; c < cpg; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + c * 32));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
-                              _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
         const int64_t chunk = g * cpg + c;
-        for (int r = 0; r < R; ++r)  // x's scale times the group's weight scales, then one FMA into the total
-          tot[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd4(w, xq[r] + chunk * 64)),
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = xq[r] + chunk * 64;
+          // |q * x| <= 15 * 127: a pair's sum and the two halves' fit int16 (no saturation)
+          const __m256i prod = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+              _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
+          tot[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones)),
                                       _mm256_mul_ps(sv, _mm256_set1_ps(xs[r][chunk])), tot[j][r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) off[j][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(gs[r][g]), off[j][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(tot[0][r], tot[1][r]), _mm256_add_ps(off[0][r], off[1][r]));
+    y[(m0 + r) * N + 2 * p] = hsum128(_mm256_castps256_ps128(sum));
+    y[(m0 + r) * N + 2 * p + 1] = hsum128(_mm256_extractf128_ps(sum, 1));
+  }
+}
+
+// The same, x rounded to int16 (the default: exact to fp32-level).
+template <int R>
+inline void int4_pair16(const uint8_t* pw, const Layout& L, const XQ<int16_t, true>& X, int64_t m0, float* y, int64_t N,
+                      int64_t p) {
+  const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+  const __m256i s_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), m_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t cpg = L.G / 32, groups = L.groups, block = L.block;
+  const int16_t* xq[R];
+  const float *xs[R], *gs[R];
+  for (int r = 0; r < R; ++r) xq[r] = X.at(m0 + r, 0), xs[r] = &X.scale[(m0 + r) * X.chunks], gs[r] = &X.gsum[(m0 + r) * groups];
+  __m256 tot[2][R], off[2][R];
+  for (int j = 0; j < 2; ++j)
+    for (int r = 0; r < R; ++r) tot[j][r] = off[j][r] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 2) {
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      const int64_t g = g0 + j;
+      if (g >= groups) break;
+      const uint8_t* blk = pw + g * block;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
+      const __m256 h = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));
+      const __m256 sv = _mm256_permutevar8x32_ps(h, s_idx), mv = _mm256_permutevar8x32_ps(h, m_idx);
+      for (int64_t c = 0; c < cpg; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + c * 32));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256i w0 = _mm256_unpacklo_epi8(lo, zero), w1 = _mm256_unpackhi_epi8(lo, zero),
+                      w2 = _mm256_unpacklo_epi8(hi, zero), w3 = _mm256_unpackhi_epi8(hi, zero);
+        const int64_t chunk = g * cpg + c;
+        for (int r = 0; r < R; ++r) {
+          const __m256i* q = reinterpret_cast<const __m256i*>(xq[r] + chunk * 64);
+          const __m256i i32 = _mm256_add_epi32(
+              _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(q)), _mm256_madd_epi16(w1, _mm256_loadu_si256(q + 1))),
+              _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(q + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(q + 3))));
+          tot[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(sv, _mm256_set1_ps(xs[r][chunk])), tot[j][r]);
+        }
       }
       for (int r = 0; r < R; ++r) off[j][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(gs[r][g]), off[j][r]);
     }
@@ -237,7 +291,7 @@ inline __m256i widen16(const int8_t* q) {
 }
 
 template <int R>
-inline void int8_pair(const uint8_t* pw, const Layout& L, const XQ& X, int64_t m0, float* y, int64_t N, int64_t p) {
+inline void int8_pair(const uint8_t* pw, const Layout& L, const XQ<int16_t>& X, int64_t m0, float* y, int64_t N, int64_t p) {
   const int64_t cpg = L.G / 32;
   __m256 ta[R], tb[R];
   for (int r = 0; r < R; ++r) ta[r] = tb[r] = _mm256_setzero_ps();
@@ -277,36 +331,46 @@ inline void by_quads(int64_t M, F&& f) {  // f(m0, R) over rows of x in groups o
   if (M - m) f(m, static_cast<int>(M - m));
 }
 
-void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y) {
-  const int64_t N = L.N(), K = L.K(), pair_bytes = L.groups * L.block;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));  // ~64 KB a task
-  const XQ X(x, M, K, L.G, L.int4);
-  if (L.int4) {
-    at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p) {
-        const uint8_t* pw = w + p * pair_bytes;
-        by_quads(M, [&](int64_t m0, int R) {
-          switch (R) {
-            case 4: int4_pair<4>(pw, L, X, m0, y, N, p); break;
-            case 3: int4_pair<3>(pw, L, X, m0, y, N, p); break;
-            case 2: int4_pair<2>(pw, L, X, m0, y, N, p); break;
-            default: int4_pair<1>(pw, L, X, m0, y, N, p);
-          }
-        });
+// every row pair's rows of y, in tasks of about 64 KB of weights; pair(pw, m0, R, p) computes R rows from m0
+template <class Pair>
+void for_pairs(const uint8_t* w, int64_t M, const Layout& L, Pair&& pair) {
+  const int64_t pair_bytes = L.groups * L.block;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));
+  at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) by_quads(M, [&](int64_t m0, int R) { pair(w + p * pair_bytes, m0, R, p); });
+  });
+}
+
+void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
+  const int64_t N = L.N(), K = L.K();
+  if (L.int4 && !act8) {
+    const XQ<int16_t, true> X(x, M, K, L.G);
+    for_pairs(w, M, L, [&](const uint8_t* pw, int64_t m0, int R, int64_t p) {
+      switch (R) {
+        case 4: int4_pair16<4>(pw, L, X, m0, y, N, p); break;
+        case 3: int4_pair16<3>(pw, L, X, m0, y, N, p); break;
+        case 2: int4_pair16<2>(pw, L, X, m0, y, N, p); break;
+        default: int4_pair16<1>(pw, L, X, m0, y, N, p);
+      }
+    });
+  } else if (L.int4) {
+    const XQ<int8_t> X(x, M, K, L.G);
+    for_pairs(w, M, L, [&](const uint8_t* pw, int64_t m0, int R, int64_t p) {
+      switch (R) {
+        case 4: int4_pair8<4>(pw, L, X, m0, y, N, p); break;
+        case 3: int4_pair8<3>(pw, L, X, m0, y, N, p); break;
+        case 2: int4_pair8<2>(pw, L, X, m0, y, N, p); break;
+        default: int4_pair8<1>(pw, L, X, m0, y, N, p);
       }
     });
   } else {
-    at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p) {
-        const uint8_t* pw = w + p * pair_bytes;
-        by_quads(M, [&](int64_t m0, int R) {
-          switch (R) {
-            case 4: int8_pair<4>(pw, L, X, m0, y, N, p); break;
-            case 3: int8_pair<3>(pw, L, X, m0, y, N, p); break;
-            case 2: int8_pair<2>(pw, L, X, m0, y, N, p); break;
-            default: int8_pair<1>(pw, L, X, m0, y, N, p);
-          }
-        });
+    const XQ<int16_t> X(x, M, K, L.G);
+    for_pairs(w, M, L, [&](const uint8_t* pw, int64_t m0, int R, int64_t p) {
+      switch (R) {
+        case 4: int8_pair<4>(pw, L, X, m0, y, N, p); break;
+        case 3: int8_pair<3>(pw, L, X, m0, y, N, p); break;
+        case 2: int8_pair<2>(pw, L, X, m0, y, N, p); break;
+        default: int8_pair<1>(pw, L, X, m0, y, N, p);
       }
     });
   }
@@ -335,7 +399,8 @@ void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Te
 
 }  // namespace
 
-at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                            bool act8) {
   const Layout L = layout_of(weight);
   const int64_t N = L.N(), K = L.K();
   TORCH_CHECK(x.size(-1) == K, "linear_quant: x has ", x.size(-1), " features, the weight ", K);
@@ -346,14 +411,11 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
 #ifdef MII_QAVX2
-    if (M <= kGemvRows) {
-      gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>());
-    } else {
-      blocked_gemm(round_x(xf), wp, L, y);
-    }
-#else
-    blocked_gemm(round_x(xf), wp, L, y);
+    if (M <= kGemvRows)
+      gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
+    else
 #endif
+      blocked_gemm(L.int4 && act8 ? round_x<int8_t>(xf) : round_x<int16_t>(xf), wp, L, y);
   }
   return linear_output(y, x, bias);
 }

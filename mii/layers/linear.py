@@ -52,7 +52,7 @@ def packed_linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tenso
     if module.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, module.packed, bias, "none", [], "")
     if scheme(module.weight) is not None:
-        return quant_linear(x, module.weight, bias)
+        return quant_linear(x, module.weight, bias, getattr(module, "act8", False))
     if module.bf16_kernel:
         return torch.ops.mii.linear_bf16w(x, module.weight, bias)
     return F.linear(x, module.weight, bias)

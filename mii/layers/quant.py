@@ -13,7 +13,8 @@ and one pass over the input row serves two output rows. A group is `G` consecuti
   then row a's G values and row b's G values. Weight = s * q, so GGUF's Q8_0 (G = 32) maps exactly.
 
 `quant_linear` runs the C++ kernel when mii's CPU kernels are built, else the reference (dequantize, then
-`F.linear`), which is also what the tests compare the kernel with.
+`F.linear`), which is also what the tests compare the kernel with. With `act8` (`quantize_activations`), an int4
+linear's input is first rounded to int8 per 32 columns (`round_activations_int8`, the kernel's arithmetic).
 """
 from __future__ import annotations
 
@@ -148,13 +149,37 @@ def quantize_int8(w: torch.Tensor, group: Optional[int] = None) -> torch.Tensor:
     return pack_int8(q.view(n, k), scale)
 
 
-def quant_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32, last dim a multiple of 32) as `act8` multiplies it: each 32 columns rounded to int8 steps of
+    their largest |value| / 127 (half to even), times that step; the same fp32 operations as the kernel's."""
+    c = x.float().reshape(-1, 32)
+    amax = c.abs().amax(-1, keepdim=True)
+    step = torch.where(amax > 0, amax * torch.tensor(1 / 127, dtype=torch.float32), torch.ones_like(amax))
+    return (torch.round(c * (1 / step)) * step).view(x.shape).to(x.dtype)
+
+
+def quant_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                           act8: bool = False) -> torch.Tensor:
+    if act8 and scheme(w) == INT4:
+        x = round_activations_int8(x)
     return F.linear(x, dequantize(w).to(x.dtype), bias)
 
 
-def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], act8: bool = False) -> torch.Tensor:
     """x @ dequantize(w).T + bias: the C++ kernel (fp32 math) on CPU once mii's CPU kernels are loaded, else the
-    reference."""
+    reference. `act8`: an int4 weight multiplies x rounded to int8 per 32 columns (`quantize_activations`)."""
     if x.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::linear_quant", "CPU"):
-        return torch.ops.mii.linear_quant(x, w, bias)
-    return quant_linear_reference(x, w, bias)
+        return torch.ops.mii.linear_quant(x, w, bias, act8)
+    return quant_linear_reference(x, w, bias, act8)
+
+
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """`quantize_activations`: every linear with an int4 weight rounds its input to int8 from now on; returns how
+    many do."""
+    n = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and scheme(w) == INT4:
+            m.act8 = True
+            n += 1
+    return n

@@ -162,7 +162,8 @@ class DecoderModel(nn.Module):
         first, a = self.layers[0], self.layers[0].self_attn
         self.stack = dict(params=params, caches=caches, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                           head_dim=a.attn.head_dim, scale=a.attn.scale, eps=first.input_layernorm.eps,
-                          norm_offset=first.input_layernorm.offset, windows=windows)
+                          norm_offset=first.input_layernorm.offset, windows=windows,
+                          act8=any(getattr(m, "act8", False) for m in self.modules()))
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -179,7 +180,7 @@ class DecoderModel(nn.Module):
             x, residual = torch.ops.mii.decoder_stack(
                 x, positions, st["params"], st["caches"], ctx.slot_mapping, ctx.query_start, ctx.seq_lens,
                 ctx.block_tables, ctx.max_query_len, st["n_heads"], st["n_kv_heads"], st["head_dim"], st["scale"],
-                st["eps"], st["norm_offset"], st["windows"])
+                st["eps"], st["norm_offset"], st["windows"], st["act8"])
         else:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual, ctx)

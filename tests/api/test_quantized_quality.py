@@ -1,7 +1,7 @@
 """Quantized weights on the embedded SmolLM2 (its GGUF: Q4_1 linears, Q8_0 tied embedding): perplexity on a fixed
 English text (tests/data/english.txt) and greedy answers to chat questions, dequantized bf16 weights
-(quantization="none") against int8 (quantized at load) and int4 (the file's own blocks, the default), and the
-memory each really takes."""
+(quantization="none") against int8 (quantized at load), int4 (the file's own blocks, the default) and int4 with
+int8 activations (quantize_activations), and the memory each really takes."""
 import json
 import math
 import subprocess
@@ -31,9 +31,10 @@ source = mii.loading.resolve_source(None)  # what every load pays once (the toke
 tokenizer = mii.loading.loader.load_tokenizer(mii.loading.gguf_file.cached_folder(source.path, source.name))
 text, questions = open(sys.argv[1]).read(), json.loads(sys.argv[2])
 out = {}
-for q in ("auto", "int8", "none"):
+for q in ("auto", "act8", "int8", "none"):
     before = rss()
-    pipe = mii.pipeline(quantization=q, num_threads=1, inference_engine_config={"state_manager": {
+    pipe = mii.pipeline(quantization="auto" if q == "act8" else q, quantize_activations=q == "act8", num_threads=1,
+                        inference_engine_config={"state_manager": {
         "max_ragged_batch_size": 512, "memory_config": {"mode": "allocate", "size": 16}}})
     grown = rss() - before
     ids = pipe.tokenizer.encode(text)
@@ -42,7 +43,7 @@ for q in ("auto", "int8", "none"):
     answers = [r.generated_text for r in pipe(prompts, max_new_tokens=24, do_sample=False)]
     plan = pipe.engine_plan
     out[q] = {"nll": -sum(d["logprob"] for d in scored) / len(scored), "tokens": len(scored), "answers": answers,
-              "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization}
+              "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization, "activations": plan.activations}
     pipe.destroy()
     del pipe
     gc.collect()
@@ -68,14 +69,19 @@ def test_what_each_run_holds(runs):
     assert runs["auto"]["plan"] == "120 from the GGUF's Q4_1 blocks, LM head from its Q8_0 blocks"
     assert set(runs["int8"]["weights"]) == {"int8 per-channel", "int8 g32", "fp32"}, runs["int8"]["weights"]
     assert set(runs["auto"]["weights"]) == {"int4 g32", "int8 g32", "fp32"}, runs["auto"]["weights"]
+    assert runs["act8"]["weights"] == runs["auto"]["weights"] and runs["act8"]["plan"] == runs["auto"]["plan"]
+    assert runs["act8"]["activations"] == "int8 per 32 columns in the 120 int4 linears"
+    assert runs["auto"]["activations"] == ""
 
 
 def test_perplexity(runs):
-    """int8 within 1% and int4 within 5% of the bf16 (dequantized) perplexity, on ~400 tokens of English."""
+    """int8 within 1% and int4 within 5% of the bf16 (dequantized) perplexity, on ~400 tokens of English; int4
+    with int8 activations too, and not the same as int4 alone (the option changes what runs)."""
     ppl = {q: math.exp(r["nll"]) for q, r in runs.items()}
     assert runs["none"]["tokens"] > 300 and 20 < ppl["none"] < 200, ppl
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
     assert abs(ppl["auto"] / ppl["none"] - 1) < 0.05, ppl
+    assert abs(ppl["act8"] / ppl["none"] - 1) < 0.05 and runs["act8"]["nll"] != runs["auto"]["nll"], ppl
 
 
 def test_answers_still_right(runs):

@@ -6,7 +6,7 @@ import torch
 
 from mii import kernels
 from mii.layers.quant import (dequantize, pack_int4, quant_linear, quant_linear_reference, quantize_int4,
-                              quantize_int8)
+                              quantize_int8, round_activations_int8)
 
 # (rows N, inputs K, scheme, group): several groups per row; N not a multiple of 4 or 8 for the kernels' tails
 CASES = [(96, 64, "int8", None), (130, 256, "int8", 32), (66, 576, "int8", None), (64, 96, "int4", 32),
@@ -77,3 +77,23 @@ def test_full_int4_range_and_extreme_scales():
     for m in (1, 3, 17):
         x = torch.randn(m, k, generator=g)
         _check(quant_linear(x, w, None), x, w, None, 2 ** -12)
+
+
+@pytest.mark.parametrize("n,k,scheme,group", CASES)
+def test_int8_activations(n, k, scheme, group):
+    """`act8` (quantize_activations): an int4 weight multiplies x rounded to int8 per 32 columns, exactly as
+    round_activations_int8 rounds it (then only fp32 summation differs), in the streaming kernel (up to 32 rows)
+    and the blocked GEMM (more); an int8 weight ignores it."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(n * 5 + k)
+    w = _weight(n, k, scheme, group, g)
+    b = torch.randn(n, generator=g)
+    for m in (1, 3, 4, 17, 33, 70):
+        x = torch.randn(m, k, generator=g)
+        x[:, :32] *= 30  # a chunk of a much larger range
+        out = quant_linear(x, w, b, act8=True)
+        rounded = round_activations_int8(x) if scheme == "int4" else x
+        _check(out, rounded, w, b, 2 ** -12)
+        _check(quant_linear_reference(x, w, b, act8=True), rounded, w, b, 2 ** -12)
+        if scheme == "int4":
+            assert not torch.equal(rounded, x) and not torch.allclose(out, quant_linear(x, w, b), rtol=0, atol=1e-6)

@@ -80,6 +80,29 @@ def test_cli_quantization_options(tiny, capsys):
     assert "invalid choice: 'int3'" in capsys.readouterr().err
     assert main(["explain", str(tiny), "--quantization", "int4", "--quantization-group", "40"]) == 2
     assert "quantization_group=40 is not a multiple of 32" in capsys.readouterr().err
+    assert main(args + ["--quantize-activations"]) == 0
+    assert "activations          int8 per 32 columns in the 8 int4 linears" in capsys.readouterr().out
+    for other in ("none", "int8"):  # no int4 linears: refused before loading
+        assert main(["explain", str(tiny), "--quantization", other, "--quantize-activations"]) == 2
+        assert "quantize_activations: rounds the inputs of int4 linears" in capsys.readouterr().err
+
+
+def test_int8_activations_close_to_int16(tiny):
+    """quantize_activations on a tiny int4 model: every int4 linear rounds its input to int8 (the plan says so),
+    and the next-token logprobs (the 5 largest, in order) stay close to the default int16 path's without being the
+    same."""
+    runs = {}
+    for act8 in (False, True):
+        pipe = mii.pipeline(str(tiny), dtype="float32", quantization="int4", quantization_group=32,
+                            quantize_activations=act8)
+        try:
+            assert bool(pipe.engine_plan.activations) == act8
+            out = pipe(prompts_for(VOCAB, lengths=(5, 37)), max_new_tokens=1, do_sample=False, logprobs=5)
+            runs[act8] = torch.tensor([sorted(r.logprobs[0]["top_logprobs"].values()) for r in out])
+        finally:
+            pipe.destroy()
+    assert not torch.equal(runs[True], runs[False])
+    torch.testing.assert_close(runs[True], runs[False], atol=0.05, rtol=0)
 
 
 def test_moe_quantizes_attention_not_routers_or_experts(tmp_path, tokenizer_dir):
