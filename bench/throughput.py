@@ -133,6 +133,8 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
     out = {}
     for q, act8, label in (("auto", False, "int4"), ("auto", True, "int4 a8"), ("int8", False, "int8"),
                            ("none", False, "bf16")):
+        gc.collect()  # what an earlier pipeline left (its KV cache) is freed before, not during, this load
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         before = resident_bytes()
         pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8)
         grown = resident_bytes() - before
@@ -144,8 +146,6 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
         out[label] = r
         pipe.destroy()
         del pipe
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
     return out
 
 

@@ -190,19 +190,50 @@ struct XQ {
   const Q* at(int64_t m, int64_t chunk) const { return &q[(m * chunks + chunk) * kStride]; }
 };
 
-// R rows of x (R <= 4) against row pair p: y[m, 2p], y[m, 2p + 1], x rounded to int8 (`act8`). Consecutive
-// groups alternate between two sets of accumulators, and the offsets have their own: a single chain of dependent
-// FMAs (4 cycles each) would otherwise set the pace of a single row, not the instructions (1.2x on a decode
-// step's linears). The rows' data sit in locals: through X the compiler reloads them every chunk.
-template <int R>
-inline void int4_pair8(const uint8_t* pw, const Layout& L, const XQ<int8_t>& X, int64_t m0, float* y, int64_t N,
+// A chunk of a row pair's int4 weights (32 bytes: 64 nibbles) against 32 columns of one row of x, as 8 int32
+// lanes (row a's partial sums in the low 4, row b's in the high). With x in int8 (`act8`), `vpmaddubsw` takes the
+// nibbles as they are: |nibble * x| <= 15 * 127, so a pair's sum and the two halves' fit int16 (no saturation).
+struct Nibbles8 {
+  __m256i lo, hi;
+  Nibbles8(__m256i l, __m256i h) : lo(l), hi(h) {}
+  __m256i dot(const int8_t* q) const {
+    const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+                                          _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
+    return _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+  }
+};
+// With x in int16, the nibbles widened to int16 once per chunk (shared by the rows of x) for `vpmaddwd`.
+struct Nibbles16 {
+  __m256i w[4];
+  Nibbles16(__m256i lo, __m256i hi) {
+    const __m256i zero = _mm256_setzero_si256();
+    w[0] = _mm256_unpacklo_epi8(lo, zero), w[1] = _mm256_unpackhi_epi8(lo, zero);
+    w[2] = _mm256_unpacklo_epi8(hi, zero), w[3] = _mm256_unpackhi_epi8(hi, zero);
+  }
+  __m256i dot(const int16_t* x) const {
+    const __m256i* q = reinterpret_cast<const __m256i*>(x);
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(q)),
+                                             _mm256_madd_epi16(w[1], _mm256_loadu_si256(q + 1))),
+                            _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(q + 2)),
+                                             _mm256_madd_epi16(w[3], _mm256_loadu_si256(q + 3))));
+  }
+};
+
+// R rows of x (R <= 4), rounded to Q (int16, or int8 with `act8`), against row pair p: y[m, 2p], y[m, 2p + 1].
+// Consecutive groups alternate between two sets of accumulators, and the offsets have their own: a single chain
+// of dependent FMAs (4 cycles each) would otherwise set the pace of a single row, not the instructions (1.2x on a
+// decode step's linears). The rows' data sit in locals: through X the compiler reloads them every chunk.
+template <int R, typename Q>
+inline void int4_pair(const uint8_t* pw, const Layout& L, const XQ<Q, true>& X, int64_t m0, float* y, int64_t N,
                       int64_t p) {
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  using Nibbles = std::conditional_t<std::is_same_v<Q, int8_t>, Nibbles8, Nibbles16>;
+  const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i s_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), m_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t cpg = L.G / 32, groups = L.groups, block = L.block;  // cpg: chunks per group
-  const int8_t* xq[R];
+  const Q* xq[R];
   const float *xs[R], *gs[R];
-  for (int r = 0; r < R; ++r) xq[r] = X.at(m0 + r, 0), xs[r] = &X.scale[(m0 + r) * X.chunks], gs[r] = &X.gsum[(m0 + r) * groups];
+  for (int r = 0; r < R; ++r)
+    xq[r] = X.at(m0 + r, 0), xs[r] = &X.scale[(m0 + r) * X.chunks], gs[r] = &X.gsum[(m0 + r) * groups];
   __m256 tot[2][R], off[2][R];
   for (int j = 0; j < 2; ++j)
     for (int r = 0; r < R; ++r) tot[j][r] = off[j][r] = _mm256_setzero_ps();
@@ -218,63 +249,11 @@ inline void int4_pair8(const uint8_t* pw, const Layout& L, const XQ<int8_t>& X, 
       const __m256 sv = _mm256_permutevar8x32_ps(h, s_idx), mv = _mm256_permutevar8x32_ps(h, m_idx);
       for (int64_t c = 0; c < cpg; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + c * 32));
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const Nibbles w(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
         const int64_t chunk = g * cpg + c;
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = xq[r] + chunk * 64;
-          // |q * x| <= 15 * 127: a pair's sum and the two halves' fit int16 (no saturation)
-          const __m256i prod = _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
-              _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
-          tot[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones)),
+        for (int r = 0; r < R; ++r)  // x's scale times the group's weight scales, then one FMA into the total
+          tot[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w.dot(xq[r] + chunk * 64)),
                                       _mm256_mul_ps(sv, _mm256_set1_ps(xs[r][chunk])), tot[j][r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) off[j][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(gs[r][g]), off[j][r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(tot[0][r], tot[1][r]), _mm256_add_ps(off[0][r], off[1][r]));
-    y[(m0 + r) * N + 2 * p] = hsum128(_mm256_castps256_ps128(sum));
-    y[(m0 + r) * N + 2 * p + 1] = hsum128(_mm256_extractf128_ps(sum, 1));
-  }
-}
-
-// The same, x rounded to int16 (the default: exact to fp32-level).
-template <int R>
-inline void int4_pair16(const uint8_t* pw, const Layout& L, const XQ<int16_t, true>& X, int64_t m0, float* y, int64_t N,
-                      int64_t p) {
-  const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
-  const __m256i s_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), m_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t cpg = L.G / 32, groups = L.groups, block = L.block;
-  const int16_t* xq[R];
-  const float *xs[R], *gs[R];
-  for (int r = 0; r < R; ++r) xq[r] = X.at(m0 + r, 0), xs[r] = &X.scale[(m0 + r) * X.chunks], gs[r] = &X.gsum[(m0 + r) * groups];
-  __m256 tot[2][R], off[2][R];
-  for (int j = 0; j < 2; ++j)
-    for (int r = 0; r < R; ++r) tot[j][r] = off[j][r] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < groups; g0 += 2) {
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) {
-      const int64_t g = g0 + j;
-      if (g >= groups) break;
-      const uint8_t* blk = pw + g * block;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
-      const __m256 h = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));
-      const __m256 sv = _mm256_permutevar8x32_ps(h, s_idx), mv = _mm256_permutevar8x32_ps(h, m_idx);
-      for (int64_t c = 0; c < cpg; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + c * 32));
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        const __m256i w0 = _mm256_unpacklo_epi8(lo, zero), w1 = _mm256_unpackhi_epi8(lo, zero),
-                      w2 = _mm256_unpacklo_epi8(hi, zero), w3 = _mm256_unpackhi_epi8(hi, zero);
-        const int64_t chunk = g * cpg + c;
-        for (int r = 0; r < R; ++r) {
-          const __m256i* q = reinterpret_cast<const __m256i*>(xq[r] + chunk * 64);
-          const __m256i i32 = _mm256_add_epi32(
-              _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(q)), _mm256_madd_epi16(w1, _mm256_loadu_si256(q + 1))),
-              _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(q + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(q + 3))));
-          tot[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(sv, _mm256_set1_ps(xs[r][chunk])), tot[j][r]);
-        }
       }
       for (int r = 0; r < R; ++r) off[j][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(gs[r][g]), off[j][r]);
     }
@@ -331,47 +310,43 @@ inline void by_quads(int64_t M, F&& f) {  // f(m0, R) over rows of x in groups o
   if (M - m) f(m, static_cast<int>(M - m));
 }
 
-// every row pair's rows of y, in tasks of about 64 KB of weights; pair(pw, m0, R, p) computes R rows from m0
+// every row pair's rows of y, in tasks of about 64 KB of weights: pair(R, pw, m0, p) computes rows m0 .. m0+R-1
+// of pair p, R (1-4) a std::integral_constant, so that each row count is its own instantiation
 template <class Pair>
 void for_pairs(const uint8_t* w, int64_t M, const Layout& L, Pair&& pair) {
   const int64_t pair_bytes = L.groups * L.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));
   at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) by_quads(M, [&](int64_t m0, int R) { pair(w + p * pair_bytes, m0, R, p); });
+    for (int64_t p = b; p < e; ++p) {
+      const uint8_t* pw = w + p * pair_bytes;
+      by_quads(M, [&](int64_t m0, int R) {
+        switch (R) {
+          case 4: pair(std::integral_constant<int, 4>{}, pw, m0, p); break;
+          case 3: pair(std::integral_constant<int, 3>{}, pw, m0, p); break;
+          case 2: pair(std::integral_constant<int, 2>{}, pw, m0, p); break;
+          default: pair(std::integral_constant<int, 1>{}, pw, m0, p);
+        }
+      });
+    }
   });
 }
 
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t N = L.N(), K = L.K();
-  if (L.int4 && !act8) {
-    const XQ<int16_t, true> X(x, M, K, L.G);
-    for_pairs(w, M, L, [&](const uint8_t* pw, int64_t m0, int R, int64_t p) {
-      switch (R) {
-        case 4: int4_pair16<4>(pw, L, X, m0, y, N, p); break;
-        case 3: int4_pair16<3>(pw, L, X, m0, y, N, p); break;
-        case 2: int4_pair16<2>(pw, L, X, m0, y, N, p); break;
-        default: int4_pair16<1>(pw, L, X, m0, y, N, p);
-      }
+  if (L.int4 && act8) {
+    const XQ<int8_t> X(x, M, K, L.G);
+    for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
+      int4_pair<decltype(R)::value>(pw, L, X, m0, y, N, p);
     });
   } else if (L.int4) {
-    const XQ<int8_t> X(x, M, K, L.G);
-    for_pairs(w, M, L, [&](const uint8_t* pw, int64_t m0, int R, int64_t p) {
-      switch (R) {
-        case 4: int4_pair8<4>(pw, L, X, m0, y, N, p); break;
-        case 3: int4_pair8<3>(pw, L, X, m0, y, N, p); break;
-        case 2: int4_pair8<2>(pw, L, X, m0, y, N, p); break;
-        default: int4_pair8<1>(pw, L, X, m0, y, N, p);
-      }
+    const XQ<int16_t, true> X(x, M, K, L.G);
+    for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
+      int4_pair<decltype(R)::value>(pw, L, X, m0, y, N, p);
     });
   } else {
     const XQ<int16_t> X(x, M, K, L.G);
-    for_pairs(w, M, L, [&](const uint8_t* pw, int64_t m0, int R, int64_t p) {
-      switch (R) {
-        case 4: int8_pair<4>(pw, L, X, m0, y, N, p); break;
-        case 3: int8_pair<3>(pw, L, X, m0, y, N, p); break;
-        case 2: int8_pair<2>(pw, L, X, m0, y, N, p); break;
-        default: int8_pair<1>(pw, L, X, m0, y, N, p);
-      }
+    for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
+      int8_pair<decltype(R)::value>(pw, L, X, m0, y, N, p);
     });
   }
 }

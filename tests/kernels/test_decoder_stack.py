@@ -1,7 +1,7 @@
 """mii::decoder_stack (all pre-norm decoder layers of a step in one C++ call) against the layers' own forward on
 the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
-sliding window; fp32 weights; int4 and int8 weights); and the architectures it does not cover keep the layers."""
+sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations); and the architectures it does not cover keep the layers."""
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, PhiConfig, Qwen2Config, Qwen3Config
@@ -22,6 +22,8 @@ CASES = {
     "llama-int4": (LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, **TINY), "auto", dict(quantization="int4",
                                                                                               quantization_group=32)),
     "qwen2-int8": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int8")),
+    "llama-int4-act8": (LlamaConfig(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int4", quantization_group=32,
+                                                                          quantize_activations=True)),
 }
 
 
