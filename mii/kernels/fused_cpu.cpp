@@ -1,7 +1,10 @@
 // Fused element-wise ops of a decoder layer on CPU: one pass over memory and one dispatcher call where eager
 // PyTorch takes 5-10 small ops each (mii::rms_norm, mii::rotary_, mii::silu_and_mul). Each rounds to the
 // model's dtype at the same points as the eager code it replaces (mii/layers), so bf16 results match it.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -9,7 +9,10 @@
 // kernel reads the whole weight as one sequential stream — rows of a few hundred columns, as in small models,
 // otherwise make many short streams the hardware prefetcher follows badly — and widens two rows with one
 // 32-byte load, a shift (even lanes) and a mask (odd lanes).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>

@@ -7,7 +7,11 @@
 // queries, and for a decode row, part of the keys: see kSplitKeys); the query heads that share a kv head are
 // processed together, so each key row is loaded once for all of them, and the next block's rows are prefetched
 // while a block is computed.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -295,8 +299,8 @@ void prompt_chunk(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cach
   if (window > 0 || Q != len) {
     auto qpos = at::arange(len - Q, len, q.options().dtype(at::kLong)).unsqueeze(1);
     auto kpos = at::arange(len, q.options().dtype(at::kLong)).unsqueeze(0);
-    auto allowed = kpos <= qpos;
-    if (window > 0) allowed = allowed & (kpos > qpos - window);
+    auto allowed = kpos.le(qpos);
+    if (window > 0) allowed = allowed.logical_and(kpos.gt(qpos.sub(window)));
     mask = allowed;
   }
   auto o = at::scaled_dot_product_attention(qs, keys(k_cache), keys(v_cache), mask, 0.0,

@@ -17,7 +17,11 @@
 // - More rows (prompt chunks, big batches): each task dequantizes a block of rows into an fp32 buffer that stays
 //   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first, so that a row's result does
 //   not depend on how many rows share its step beyond fp32 summation order (batch invariance, prefix caching).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Half.h>

@@ -6,7 +6,8 @@
 // (vectorized) only for blocks of tokens that could. top-k / top-p keep the most likely tokens: the mass is binned
 // by s - m and only the bin where the kept mass (or count) crosses its limit is sorted, instead of the
 // vocabulary; min-p drops tokens under min_p x the top probability.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
