@@ -14,8 +14,8 @@ from mii.engine.model_runner import ModelRunner
 from mii.engine.plan import EnginePlan, plan_device
 from mii.engine.requests import InputProcessor
 from mii.errors import ValidationError
-from mii.loading import gguf_file, load_model, resolve_source
 from mii.layers.quant import use_int8_activations
+from mii.loading import gguf_file, load_model, resolve_source
 from mii.loading.quantize import quant_spec
 from mii.parallel.group import TPGroup, active_group, start
 

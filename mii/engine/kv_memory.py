@@ -59,8 +59,8 @@ class KVPrefault:
     """Faults in the pages of a CPU KV cache `[layers, 2, blocks, ...]` ahead of use. `want(n)`: the engine has
     written blocks below `n`; the thread makes sure blocks below `n + ahead` are faulted in (`ahead`: by default
     the blocks of 32 MB, at least 4). When no `want` came for `idle_after` seconds (None: never), it goes on up
-    to twice the highest block written (and `ahead`). Holds the cache only weakly: a destroyed engine's cache is freed, and the
-    thread ends."""
+    to twice the highest block written (plus `ahead`). Holds the cache only weakly: a destroyed engine's cache is
+    freed, and the thread ends."""
 
     AHEAD_BYTES = 32 << 20
     IDLE_BLOCKS_BYTES = 8 << 20  # faulted in per madvise while the engine is idle: a new step waits for it at most
@@ -153,7 +153,7 @@ class KVPrefault:
                     return
                 if self._want > self.done:  # 16 blocks at a time: a new want is seen soon
                     b0, b1 = self.done, min(self._want, self.done + 16)
-                else:  # the engine is idle: the rest of the cache
+                else:  # the engine is idle: on toward twice what it used
                     b0, b1 = self.done, min(self._idle_target(), self.done + self._idle_step)
             ok = self._populate(b0, b1)
             with self._cv:
