@@ -81,7 +81,8 @@ class ModelRunner:
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
         # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), dtype, device)
-        # on CPU its pages are faulted in by a background thread, 32 MB ahead of the blocks in use (kv_memory.py)
+        # on CPU its pages are faulted in by a background thread ahead of the blocks in use, and more while the
+        # engine is idle; the allocator reads how far (kv_memory.py)
         self.prefault = KVPrefault(self.kv_cache) if device.type == "cpu" else None
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]

@@ -151,9 +151,11 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
     partial_start[s + 1] = partial_start[s] + (parts[s] > 1 ? n_kv * parts[s] : 0);
   }
   // a split row's parts: per (sequence, kv head, part), `group` rows of (max, sum, accumulator [d])
+  // and per (sequence, kv head) how many parts are done: both only when a row is split
   std::vector<float> partial(partial_start[num_seqs] * group * (d + 2));
-  std::unique_ptr<std::atomic<int>[]> finished(new std::atomic<int>[num_seqs * n_kv]);
-  for (int64_t i = 0; i < num_seqs * n_kv; ++i) finished[i].store(0, std::memory_order_relaxed);
+  const int64_t counters = partial.empty() ? 0 : num_seqs * n_kv;
+  std::unique_ptr<std::atomic<int>[]> finished(counters ? new std::atomic<int>[counters] : nullptr);
+  for (int64_t i = 0; i < counters; ++i) finished[i].store(0, std::memory_order_relaxed);
   const int64_t kv_row = n_kv * d;  // elements between consecutive slots of the cache
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, item_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
