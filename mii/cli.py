@@ -9,6 +9,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 where the CPU/GPU has fast bf16, else float32)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (GPU N)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype (auto: bfloat16 where the weights are bf16 under fp32 math, else the "
+                        "compute dtype)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (gloo on CPU, NCCL on GPU)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -22,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, device=args.device, tensor_parallel=args.tensor_parallel,
+    return dict(dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+                tensor_parallel=args.tensor_parallel,
                 quantization=args.quantization, quantization_group=args.quantization_group,
                 quantize_activations=args.quantize_activations)
 

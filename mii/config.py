@@ -74,6 +74,11 @@ class ModelConfig(_Config):
     """Default `max_length` (prompt + generated) of a request; the model's context when unset."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype; `auto` picks bfloat16 where the device has fast bf16 matmul, else float32 (CPU) / float16."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The KV cache's dtype. `auto`: bfloat16 where the weights are kept in bf16 with fp32 math (a CPU without
+    native bf16 matmul: half the bytes that attention reads each step, twice the tokens per GiB), else the compute
+    dtype. On CPU a bf16/fp16 cache may sit under fp32 math (keys and values rounded as they are written, the
+    attention in fp32); on a GPU the cache keeps the compute dtype."""
     device: str = "auto"
     """`auto` (cuda when a GPU is visible, else cpu), `cpu`, `cuda` (the current GPU; one GPU per rank under
     tensor parallelism) or `cuda:N` (GPU N, a single-rank engine)."""

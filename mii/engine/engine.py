@@ -69,7 +69,7 @@ def finish_plan_and_build_runner(loaded, model_config: ModelConfig, plan: Engine
     """Finish the plan with what loading tells (the KV cache size, the same on every tensor-parallel rank: the
     smallest any rank can hold; the linear backend) and build the runner on it. Every rank of a group calls it;
     `tp_group` is its `mii.parallel.TPGroup`."""
-    per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.torch_dtype)
+    per_token = ModelRunner.kv_bytes_per_block(loaded.model, 1, plan.kv_torch_dtype)
     plan = plan_memory(plan, model_config, per_token, loaded.cfg.max_position,
                        (loaded.cfg.hidden_size, loaded.cfg.intermediate_size or 4 * loaded.cfg.hidden_size))
     if loaded.prepacked:
@@ -81,7 +81,7 @@ def finish_plan_and_build_runner(loaded, model_config: ModelConfig, plan: Engine
             plan.kv_cache_bytes = plan.kv_cache_bytes // plan.kv_num_blocks * blocks
             plan.kv_num_blocks = blocks
             plan.reasons["kv_blocks"] += "; the smallest of the tensor-parallel ranks"
-    runner = ModelRunner(loaded.model, plan.kv_num_blocks, plan.kv_block_size, plan.torch_dtype,
+    runner = ModelRunner(loaded.model, plan.kv_num_blocks, plan.kv_block_size, plan.kv_torch_dtype,
                          torch.device(plan.device), loaded.eos_token_ids, loaded.cfg.vocab_size,
                          tp_group=tp_group if tp_group is not None and tp_group.rank == 0 else None,
                          attention=plan.attention)

@@ -67,7 +67,7 @@ class StepMeta:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, eos_token_ids: tuple, vocab_size: int, tp_group=None, attention: str = "torch"):
         self.model = model
         self.attention = attention  # "kernel" reads the varlen metadata only; "torch" needs the padded groups
@@ -80,7 +80,7 @@ class ModelRunner:
         layers = model.attention_layers()
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
         # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), dtype, device)
+        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), kv_dtype, device)
         # on CPU its pages are faulted in by a background thread ahead of the blocks in use, and more while the
         # engine is idle; the allocator reads how far (kv_memory.py)
         self.prefault = KVPrefault(self.kv_cache) if device.type == "cpu" else None

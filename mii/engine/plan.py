@@ -35,6 +35,8 @@ class EnginePlan:
     kv_block_size: int = 0
     kv_num_blocks: int = 0
     kv_cache_bytes: int = 0
+    kv_dtype: str = ""
+    """The KV cache's dtype ("" until planned: the compute dtype)."""
     max_batch_tokens: int = 0
     max_batch_seqs: int = 0
     max_context: int = 0
@@ -61,6 +63,10 @@ class EnginePlan:
         return _DTYPES[self.dtype]
 
     @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.kv_dtype or self.dtype]
+
+    @property
     def weight_dtype(self) -> str:
         """The dtype the linear, LM head and embedding weights are kept in: the model's dtype, or bf16 with fp32
         math (mii::linear_bf16w) on CPUs without native bf16 matmul."""
@@ -78,6 +84,7 @@ class EnginePlan:
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
                 ("attention", ATTENTION_LABELS.get(self.attention, self.attention)),
                 ("linears", LINEAR_LABELS.get(self.linear_backend, self.linear_backend)),
+                ("kv dtype", self.kv_dtype or self.dtype),
                 ("kv_block_size", self.kv_block_size),
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
@@ -172,6 +179,7 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
         if plan.prefix_caching else "off: enable_prefix_caching=False")
     plan_attention(plan)
     plan_linears(plan, auto_dtype=cfg.dtype == "auto")
+    plan_kv_dtype(plan, cfg.kv_cache_dtype)
     return plan
 
 
@@ -188,6 +196,23 @@ def plan_linears(plan: EnginePlan, auto_dtype: bool) -> None:
     plan.reasons["weights"] = ("auto: " if auto_dtype else "") + (
         "no native bf16 matmul on this CPU: weights kept in bf16 (half the bytes of fp32 per decode step), "
         "math in fp32; dtype=float32 keeps fp32 weights")
+
+
+def plan_kv_dtype(plan: EnginePlan, asked: str) -> None:
+    """The KV cache's dtype: bf16 where the weights are bf16 under fp32 math (attention reads half the bytes, the
+    cache holds twice the tokens; transformers' bf16 model keeps a bf16 cache too), else the compute dtype. On CPU
+    a bf16/fp16 cache under fp32 math is read by both attention backends; a GPU's kernels read the compute dtype."""
+    if asked == "auto":
+        mixed = plan.linear_backend == "kernel" and plan.dtype == "float32"
+        plan.kv_dtype = "bfloat16" if mixed else plan.dtype
+        plan.reasons["kv dtype"] = ("auto: bf16 like the weights, attention math in fp32: half the bytes a step reads"
+                                    if mixed else "auto: the compute dtype")
+        return
+    if asked != plan.dtype and not (plan.device == "cpu" and plan.dtype == "float32"):
+        raise ValidationError("kv_cache_dtype", f"{asked} under {plan.dtype} math: the attention kernels read a cache "
+                              "in the compute dtype (or, on CPU, bf16/fp16 under float32)")
+    plan.kv_dtype = asked
+    plan.reasons["kv dtype"] = f"kv_cache_dtype={asked}"
 
 
 def plan_attention(plan: EnginePlan) -> None:

@@ -3,7 +3,8 @@
 // One call per layer and step for a whole ragged batch (decode tokens and prompt chunks together): the step's
 // new K/V are written into their cache slots, then every query attends to its sequence's keys through the
 // block table, with an online softmax (flash-attention style, fp32 accumulation), causal, GQA, an optional
-// sliding window. No gathered copy of the blocks, no [S, L] mask. Work items are (sequence, kv head, tile of
+// sliding window. No gathered copy of the blocks, no [S, L] mask. The cache may hold bf16 (or fp16) under fp32
+// queries (the plan's KV cache dtype: half the bytes a step reads); its rows are widened once per block. Work items are (sequence, kv head, tile of
 // queries, and for a decode row, part of the keys: see kSplitKeys); the query heads that share a kv head are
 // processed together, so each key row is loaded once for all of them, and the next block's rows are prefetched
 // while a block is computed.
@@ -57,8 +58,15 @@ template <> inline void load_row<float>(const float* src, float* dst, int64_t d)
 }
 template <> inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t d) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#ifdef MII_ATTN_AVX2
+  for (; i + 8 <= d; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+#endif
   uint32_t* o = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<uint32_t>(s[i]) << 16;
+  for (; i < d; ++i) o[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
 // The two inner loops of a row against one block of keys, over float rows (the fp32 cache in place, or a block
@@ -131,8 +139,9 @@ inline void values(float* acc, const float* p, const float* v, int64_t stride, i
   }
 }
 
-template <typename T>
-void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* query_start,
+// T: the queries' and the output's dtype; C: the cache's (T, or bf16/fp16 under fp32 queries)
+template <typename T, typename C>
+void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_t* query_start,
             const int32_t* seq_lens, const int32_t* tables, int64_t num_seqs, int64_t table_width,
             int64_t n_heads, int64_t n_kv, int64_t d, int64_t block_size, double scale, int64_t window,
             int64_t q_stride, int64_t o_stride) {
@@ -196,20 +205,19 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
       for (int64_t j0 = first_block * B; j0 < hi; j0 += B) {  // one KV block at a time
         const int64_t base = static_cast<int64_t>(table[j0 / B]) * B;
         const int64_t nk = std::min(B, hi - j0);
-        if constexpr (std::is_same_v<T, float>) {
-          if (j0 + B < hi) {  // the next block's rows of this kv head, while this one is computed
-            const int64_t nb = static_cast<int64_t>(table[j0 / B + 1]) * B, nn = std::min(B, hi - j0 - B);
-            for (int64_t j = 0; j < nn; ++j)
-              for (int64_t e = 0; e < d; e += 16) {
-                __builtin_prefetch(k_cache + (nb + j) * kv_row + kvh * d + e);
-                __builtin_prefetch(v_cache + (nb + j) * kv_row + kvh * d + e);
-              }
-          }
+        if (j0 + B < hi) {  // the next block's rows of this kv head (each 64-byte line), while this one is computed
+          const int64_t nb = static_cast<int64_t>(table[j0 / B + 1]) * B, nn = std::min(B, hi - j0 - B);
+          constexpr int64_t line = 64 / sizeof(C);
+          for (int64_t j = 0; j < nn; ++j)
+            for (int64_t e = 0; e < d; e += line) {
+              __builtin_prefetch(k_cache + (nb + j) * kv_row + kvh * d + e);
+              __builtin_prefetch(v_cache + (nb + j) * kv_row + kvh * d + e);
+            }
         }
         // the block's keys and values as float rows: in place for fp32, converted once per block otherwise
         const float *kblk, *vblk;
         int64_t row_stride;
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<C, float>) {
           kblk = k_cache + base * kv_row + kvh * d;
           vblk = v_cache + base * kv_row + kvh * d;
           row_stride = kv_row;
@@ -287,14 +295,16 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
 }  // namespace
 
 // One sequence's prompt chunk (its queries [Q, h, d]) against all its keys: the sequence's blocks copied into a
-// contiguous [kvh, L, d] once, then ATen's SDPA with the causal (and window) mask at the chunk's offset.
+// contiguous [kvh, L, d] once (in q's dtype), then ATen's SDPA with the causal (and window) mask at the chunk's
+// offset.
 void prompt_chunk(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   int64_t q0, int64_t q1, int64_t len, const at::Tensor& table, double scale, int64_t window) {
   const int64_t B = k_cache.size(1), kvh = k_cache.size(2), d = k_cache.size(3), Q = q1 - q0;
   const int64_t nb = (len + B - 1) / B;
   auto blocks = table.narrow(0, 0, nb).to(at::kLong);
   auto keys = [&](const at::Tensor& cache) {  // [1, kvh, L, d]
-    return cache.index_select(0, blocks).view({nb * B, kvh, d}).narrow(0, 0, len).permute({1, 0, 2}).unsqueeze(0);
+    return cache.index_select(0, blocks).view({nb * B, kvh, d}).narrow(0, 0, len).permute({1, 0, 2}).unsqueeze(0)
+        .to(q.scalar_type());
   };
   auto qs = q.narrow(0, q0, Q).permute({1, 0, 2}).unsqueeze(0);  // [1, h, Q, d]
   c10::optional<at::Tensor> mask;
@@ -310,16 +320,24 @@ void prompt_chunk(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cach
   out.narrow(0, q0, Q).copy_(o.squeeze(0).permute({1, 0, 2}));
 }
 
-// this step's keys (or values) [T, kvh, d] into their cache slots
-template <typename T>
+// this step's keys (or values) [T, kvh, d] into their cache slots, rounded to the cache's dtype C (to nearest
+// even, as torch's .to() rounds) when it is not theirs
+template <typename T, typename C>
 void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, int64_t row) {
   const T* x = src.data_ptr<T>();
-  T* c = cache.data_ptr<T>();
+  C* c = cache.data_ptr<C>();
   const int64_t stride = src.stride(0);
-  for (int64_t t = 0; t < n; ++t) std::memcpy(c + slots[t] * row, x + t * stride, row * sizeof(T));
+  for (int64_t t = 0; t < n; ++t) {
+    if constexpr (std::is_same_v<T, C>) {
+      std::memcpy(c + slots[t] * row, x + t * stride, row * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < row; ++i) c[slots[t] * row + i] = static_cast<C>(static_cast<float>(x[t * stride + i]));
+    }
+  }
 }
 
-// q [T, h, d], k/v [T, kvh, d] (this step's; rows of each token dense), caches [blocks, block_size, kvh, d],
+// q [T, h, d], k/v [T, kvh, d] (this step's; rows of each token dense), caches [blocks, block_size, kvh, d] in q's
+// dtype or, under fp32 q, bf16 / fp16,
 // query_start [S + 1], seq_lens [S], block_tables [S, W] (int32), slot_mapping [T] (int64); returns [T, h * d].
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                                at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
@@ -329,9 +347,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   const int64_t T = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(h % kvh == 0, "paged_attention: heads must be a multiple of kv heads");
+  const auto dt = q.scalar_type(), cdt = k_cache.scalar_type();
   for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == d && x->scalar_type() == k_cache.scalar_type(),
-                "paged_attention: q, k, v must have dense rows and the cache's dtype");
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == d && x->scalar_type() == dt,
+                "paged_attention: q, k, v must have dense rows and one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == cdt &&
+              (cdt == dt || (dt == at::kFloat && (cdt == at::kBFloat16 || cdt == at::kHalf))),
+              "paged_attention: the caches must have q's dtype, or bf16/fp16 under fp32 q (got ", cdt, " for ", dt, ")");
   TORCH_CHECK(query_start.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               block_tables.scalar_type() == at::kInt && slot_mapping.scalar_type() == at::kLong,
               "paged_attention: int32 query_start/seq_lens/block_tables and int64 slot_mapping expected");
@@ -339,13 +361,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   auto slots = slot_mapping.contiguous();
   auto out = at::empty({T, h, d}, q.options());
   const int64_t S = sl.size(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    write_cache<scalar_t>(k, k_cache, slots.data_ptr<int64_t>(), T, kvh * d);
-    write_cache<scalar_t>(v, v_cache, slots.data_ptr<int64_t>(), T, kvh * d);
-    if (T > 0 && S > 0)
-      attend<scalar_t>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                       v_cache.data_ptr<scalar_t>(), qs.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
-                       bt.data_ptr<int32_t>(), S, bt.size(1), h, kvh, d, bs, scale, window, q.stride(0), h * d);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "paged_attention_cpu", [&] {
+    auto run = [&](auto cache_type) {
+      using C = decltype(cache_type);
+      write_cache<scalar_t, C>(k, k_cache, slots.data_ptr<int64_t>(), T, kvh * d);
+      write_cache<scalar_t, C>(v, v_cache, slots.data_ptr<int64_t>(), T, kvh * d);
+      if (T > 0 && S > 0)
+        attend<scalar_t, C>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
+                            v_cache.data_ptr<C>(), qs.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
+                            bt.data_ptr<int32_t>(), S, bt.size(1), h, kvh, d, bs, scale, window, q.stride(0), h * d);
+    };
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (cdt == at::kBFloat16) return run(c10::BFloat16());
+      if (cdt == at::kHalf) return run(c10::Half());
+    }
+    run(scalar_t());
   });
   const int32_t* qsp = qs.data_ptr<int32_t>();
   for (int64_t i = 0; i < S; ++i) {

@@ -6,6 +6,7 @@ from transformers import LlamaConfig, PhiConfig
 
 import mii
 from mii import kernels
+from mii.errors import ValidationError
 from mii.engine import plan as plan_module
 from mii.layers.linear import tile_bf16w, tiled_rows
 from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
@@ -77,13 +78,14 @@ def test_engine_keeps_bf16_weights_and_matches_transformers(tmp_path, tokenizer_
     """On a CPU without native bf16 matmul (forced here), the auto dtype keeps activations in fp32 and the weights
     in bf16. On a checkpoint whose weights are bf16 values, that is exactly the fp32 model: greedy tokens
     identical to transformers and logprobs within 2e-3, for decode rows (the streaming kernel) and prompt
-    chunks (the blocked GEMM) alike; with biases (Phi-2: every linear and the LM head) and a tied LM head."""
+    chunks (the blocked GEMM) alike; with biases (Phi-2: every linear and the LM head) and a tied LM head. (The
+    KV cache kept in fp32 here: the auto bf16 cache is the next test's.)"""
     monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
     path = tiny_checkpoint(FAMILIES[family], tmp_path, tokenizer_dir, post_init=_bf16_values)
     prompts = prompts_for(49152, lengths=(5, 37, 90, 3, 12))
     ref = hf_greedy(path, prompts, 16)
-    pipe = mii.pipeline(str(path), inference_engine_config={"state_manager": {"max_ragged_batch_size": 48,
-                                                                              "kv_block_size": 8}})
+    pipe = mii.pipeline(str(path), kv_cache_dtype="float32", inference_engine_config={
+        "state_manager": {"max_ragged_batch_size": 48, "kv_block_size": 8}})
     try:
         plan = pipe.engine_plan
         assert (plan.dtype, plan.weight_dtype, plan.linear_backend) == ("float32", "bfloat16", "kernel")
@@ -97,6 +99,69 @@ def test_engine_keeps_bf16_weights_and_matches_transformers(tmp_path, tokenizer_
         compare_greedy(pipe, prompts, ref, 16, atol=2e-3)
     finally:
         pipe.destroy()
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_bf16_kv_cache_matches_transformers_with_its_cache_rounded(tmp_path, tokenizer_dir, monkeypatch, use_kernels):
+    """The auto plan's KV cache is bf16 under fp32 math: keys and values rounded to bf16 as they are written,
+    attention in fp32 over them. That is transformers in fp32 with every key and value its cache returns rounded
+    to bf16: greedy tokens identical and logprobs within 2e-3, on the kernels and on the torch reference
+    backend, with a sliding window (Mistral) and chunked prompts."""
+    from transformers import MistralConfig
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setenv("MII_KERNELS", "1" if use_kernels else "0")
+    cfg = MistralConfig(vocab_size=49152, sliding_window=16, **TINY)
+    path = tiny_checkpoint(cfg, tmp_path, tokenizer_dir, post_init=_bf16_values)
+    prompts = prompts_for(49152, lengths=(5, 37, 90, 3, 12))
+    for layer in (DynamicLayer, DynamicSlidingWindowLayer):
+        update = layer.update
+        monkeypatch.setattr(layer, "update", lambda self, k, v, *a, _update=update, **kw: _update(
+            self, k.bfloat16().float(), v.bfloat16().float(), *a, **kw))
+    ref = hf_greedy(path, prompts, 16)
+    monkeypatch.undo()  # (the plan's CPU probe and MII_KERNELS again, transformers' cache as it was)
+    monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setenv("MII_KERNELS", "1" if use_kernels else "0")
+    kw = {} if use_kernels else {"kv_cache_dtype": "bfloat16", "dtype": "float32"}  # torch: fp32 weights
+    pipe = mii.pipeline(str(path), inference_engine_config={"state_manager": {"max_ragged_batch_size": 48,
+                                                                              "kv_block_size": 8}}, **kw)
+    try:
+        plan = pipe.engine_plan
+        assert (plan.dtype, plan.kv_dtype) == ("float32", "bfloat16")
+        assert pipe.engine.runner.kv_cache.dtype == torch.bfloat16
+        assert plan.attention == ("kernel" if use_kernels else "torch")
+        compare_greedy(pipe, prompts, ref, 16, atol=2e-3)
+    finally:
+        pipe.destroy()
+
+
+def test_kv_cache_dtype_choices(tmp_path, tokenizer_dir, monkeypatch, capsys):
+    """auto: bf16 under bf16 weights with fp32 math, the compute dtype otherwise; an explicit one is taken on CPU
+    under fp32 math and refused where no attention reads it (a fp32 cache under bf16 math); the same through
+    `mii explain --kv-cache-dtype`."""
+    from mii.cli import main
+
+    monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: False)
+    path = tiny_checkpoint(LlamaConfig(vocab_size=49152, **TINY), tmp_path, tokenizer_dir)
+    for kw, want in (({}, "bfloat16"), ({"dtype": "float32"}, "float32"), ({"dtype": "bfloat16"}, "bfloat16"),
+                     ({"dtype": "float32", "kv_cache_dtype": "float16"}, "float16"),
+                     ({"kv_cache_dtype": "float32"}, "float32")):
+        pipe = mii.pipeline(str(path), **kw)
+        try:
+            assert pipe.engine_plan.kv_dtype == want, kw
+            assert pipe.engine.runner.kv_cache.dtype == getattr(torch, want)
+            assert f"kv dtype             {want}" in pipe.engine_plan.describe()
+            assert len(pipe(prompts_for(49152, lengths=(40,)), max_new_tokens=4)[0].token_ids) == 4
+        finally:
+            pipe.destroy()
+    with pytest.raises(ValidationError, match="kv_cache_dtype: float32 under bfloat16 math"):
+        mii.pipeline(str(path), dtype="bfloat16", kv_cache_dtype="float32")
+    capsys.readouterr()
+    assert main(["explain", str(path), "--dtype", "float32", "--kv-cache-dtype", "float16"]) == 0
+    assert "kv dtype             float16  (kv_cache_dtype=float16)" in capsys.readouterr().out
+    assert main(["explain", str(path), "--dtype", "bfloat16", "--kv-cache-dtype", "float32"]) == 2
+    assert "kv_cache_dtype: float32 under bfloat16 math" in capsys.readouterr().err
 
 
 def test_explicit_float32_keeps_float32_weights(tmp_path, tokenizer_dir, monkeypatch):

@@ -1,7 +1,7 @@
 """mii::paged_attention (the CPU kernel that reads KV blocks in place) against a plain-torch reference: mixed
 decode and prompt-chunk batches, GQA, sliding windows, block sizes 16/32, partial last blocks, fp32 and bf16, head
 sizes that take each of its loops (64 and 128: whole 64-column passes; 80: a pass of 64 and one of 16; 36: the
-plain loops)."""
+plain loops), and a bf16 or fp16 cache under fp32 queries."""
 import pytest
 import torch
 
@@ -57,6 +57,24 @@ def test_long_decode_rows(dtype, tol, block_size, window):
     _check(dtype, tol, block_size, window, (6, 2), 64, LONG)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("specs", [MIXED, LONG])
+@pytest.mark.parametrize("window", [0, 150])
+def test_half_cache_under_fp32_queries(cache_dtype, specs, window):
+    """The new keys and values are rounded to the cache's dtype as torch rounds them; the attention is then exact
+    to fp32 over the values the cache holds."""
+    _check(torch.float32, 1e-5, 32, window, (9, 3), 64, specs, cache_dtype)
+
+
+def test_a_cache_of_another_dtype_is_refused():
+    q = torch.randn(1, 2, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 8)  # fp32 under bf16 queries: not a layout the kernel reads
+    with pytest.raises(RuntimeError, match="caches must have q's dtype"):
+        torch.ops.mii.paged_attention(q, q, q, cache, cache, torch.tensor([0]), torch.tensor([0, 1], dtype=torch.int32),
+                                      torch.tensor([1], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32),
+                                      1, 0.3, 0)
+
+
 def test_a_row_alone_equals_the_row_in_a_batch():
     """A decode row's parts depend on its own sequence, not on the batch: alone or among others, the same bits."""
     out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
@@ -69,11 +87,12 @@ def test_a_row_alone_equals_the_row_in_a_batch():
         assert torch.equal(alone, out[t:t + 1])
 
 
-def _check(dtype, tol, block_size, window, heads, d, specs=MIXED):
+def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=None):
     torch.manual_seed(0)
     h, kvh = heads
+    cache_dtype = cache_dtype or dtype
     num_blocks = sum(-(-(p + n) // block_size) for p, n in specs) + 8
-    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks).tolist()
     tables, slots = [], []
@@ -81,8 +100,8 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED):
         table = [free.pop() for _ in range(-(-(prev + new) // block_size))]
         tables.append(table)
         for p in range(prev):
-            k_cache[table[p // block_size], p % block_size] = torch.randn(kvh, d).to(dtype)
-            v_cache[table[p // block_size], p % block_size] = torch.randn(kvh, d).to(dtype)
+            k_cache[table[p // block_size], p % block_size] = torch.randn(kvh, d).to(cache_dtype)
+            v_cache[table[p // block_size], p % block_size] = torch.randn(kvh, d).to(cache_dtype)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(prev, prev + new)]
     T = sum(new for _, new in specs)
     q, k, v = (torch.randn(T, n, d).to(dtype) for n in (h, kvh, kvh))
@@ -94,8 +113,8 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED):
     out = torch.ops.mii.paged_attention(q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables,
                                         37, d ** -0.5, window)
     # the new keys and values are in their slots
-    flat_k = k_cache.view(-1, kvh, d)
-    assert torch.equal(flat_k[slots], k)
+    flat_k, flat_v = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
+    assert torch.equal(flat_k[slots], k.to(cache_dtype)) and torch.equal(flat_v[slots], v.to(cache_dtype))
     expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
     assert out.shape == (T, h * d) and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
