@@ -79,8 +79,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         layers = model.attention_layers()
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
-        # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, block_size, kvh, d), kv_dtype, device)
+        # [layers, 2, blocks, kv_heads, block_size, head_dim]: head-major blocks (mii/layers/attention.py)
+        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, kvh, block_size, d), kv_dtype, device)
         # on CPU its pages are faulted in by a background thread ahead of the blocks in use, and more while the
         # engine is idle; the allocator reads how far (kv_memory.py)
         self.prefault = KVPrefault(self.kv_cache) if device.type == "cpu" else None

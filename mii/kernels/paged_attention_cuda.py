@@ -51,8 +51,9 @@ if triton is not None:
 
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_vt,
-                         ROW: tl.constexpr, BLOCK: tl.constexpr):
-        """Token t's K and V rows ([kv_heads * head_dim], contiguous) into cache slot `slot[t]`; skip slot < 0."""
+                         ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """Token t's K and V rows ([kv_heads * head_dim], contiguous) into cache slot `slot[t]` of the head-major
+        cache [blocks, kv_heads, block_size, head_dim]: row slot % BLOCK_SIZE of each head's run; skip slot < 0."""
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -60,8 +61,10 @@ if triton is not None:
             ok = offs < ROW
             k = tl.load(k_ptr + t * stride_kt + offs, mask=ok)
             v = tl.load(v_ptr + t * stride_vt + offs, mask=ok)
-            tl.store(k_cache_ptr + slot * ROW + offs, k, mask=ok)
-            tl.store(v_cache_ptr + slot * ROW + offs, v, mask=ok)
+            dst = ((slot // BLOCK_SIZE) * ROW * BLOCK_SIZE + (offs // HEAD_DIM) * (BLOCK_SIZE * HEAD_DIM)
+                   + (slot % BLOCK_SIZE) * HEAD_DIM + offs % HEAD_DIM)
+            tl.store(k_cache_ptr + dst, k, mask=ok)
+            tl.store(v_cache_ptr + dst, v, mask=ok)
 
     @triton.jit
     def _paged_attention_kernel(
@@ -158,7 +161,7 @@ def tile_config(group: int, decode: bool, head_dim: int) -> dict:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, kvh, d] → cache slots `slot_mapping` [T] of k_cache/v_cache [blocks, block_size, kvh, d]."""
+    """k, v: [T, kvh, d] → cache slots `slot_mapping` [T] of k_cache/v_cache [blocks, kvh, block_size, d]."""
     T, kvh, d = k.shape
     k, v = k.reshape(T, kvh * d), v.reshape(T, kvh * d)  # a view when the heads are contiguous (they are)
     if k.stride(1) != 1:
@@ -167,7 +170,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v.contiguous()
     row = kvh * d
     _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                           ROW=row, BLOCK=_pow2(row, 1))
+                           ROW=row, BLOCK=_pow2(row, 1), HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -176,12 +179,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache.
 
-    q: [T, h, d]; k_cache, v_cache: [num_blocks, block_size, kvh, d]; block_tables: [S, max_blocks] (int32/64);
+    q: [T, h, d]; k_cache, v_cache: [num_blocks, kvh, block_size, d]; block_tables: [S, max_blocks] (int32/64);
     seq_lens: [S] keys per sequence (this step's included); query_start: [S + 1] cumulative query lengths; the
     first `num_decode` sequences have one query each. Returns [T, h, d] (rows no sequence covers are untouched).
     """
     T, h, d = q.shape
-    _, block_size, kvh, _ = k_cache.shape
+    _, kvh, block_size, _ = k_cache.shape
     group = h // kvh
     if out is None:
         out = torch.empty_like(q)
@@ -191,7 +194,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                   IEEE=q.dtype == torch.float32, UPCAST=q.dtype == torch.bfloat16 and interpreted())
     args = (out, q, k_cache, v_cache, block_tables, seq_lens, query_start)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+               k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), block_tables.stride(0))  # block, slot, head
     scale_log2 = scale * 1.4426950408889634
     launches = [(0, num_decode, True), (num_decode, num_seqs - num_decode, False)]
     for offset, count, decode in launches:

@@ -8,8 +8,10 @@ Hot path rules: the step's metadata (`AttentionContext`) is built once by the mo
 passed in; a layer does one kernel call (or one cache write and at most two SDPA calls), whatever the number of
 sequences. No host syncs, no per-sequence Python loops.
 
-KV cache layout, per layer: k and v each [num_blocks, block_size, kv_heads, head_dim], in the compute dtype or (on
-CPU, under fp32 math) bf16/fp16: keys and values are rounded as they are written, widened as they are read.
+KV cache layout, per layer: k and v each [num_blocks, kv_heads, block_size, head_dim] — head-major, so one kv
+head's keys of a block are one contiguous run for the kernels to stream; slot s is row s % block_size of block
+s // block_size. In the compute dtype or (on CPU, under fp32 math) bf16/fp16: keys and values are rounded as
+they are written, widened as they are read.
 """
 from __future__ import annotations
 
@@ -68,6 +70,13 @@ class AttentionContext:
     num_decode: int = 0                          # leading sequences with exactly one query token
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, S: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each of S sequences' blocks ([S * max_blocks] ids) as [S, kvh, max_blocks * block_size, d] in `dtype`."""
+    _, kvh, bs, d = cache.shape
+    g = cache.index_select(0, blocks).to(dtype)                       # [S * nb, kvh, bs, d]
+    return g.view(S, -1, kvh, bs, d).transpose(1, 2).reshape(S, kvh, -1, d)
+
+
 class PagedAttention(nn.Module):
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: Optional[int] = None):
@@ -89,16 +98,17 @@ class PagedAttention(nn.Module):
 
     def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         h, kvh, d, T = self.n_heads, self.n_kv_heads, self.head_dim, ctx.num_tokens
-        cdt = self.k_cache.dtype
-        self.k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, k.to(cdt))
-        self.v_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, v.to(cdt))
+        cdt, bs = self.k_cache.dtype, ctx.block_size
+        block, row = ctx.slot_mapping // bs, ctx.slot_mapping % bs
+        self.k_cache[block, :, row] = k.to(cdt)  # [T, kvh, d]
+        self.v_cache[block, :, row] = v.to(cdt)
         out = None if len(ctx.groups) == 1 and ctx.groups[0].span == (0, T) else q.new_empty(T, h, d)
         for g in ctx.groups:
             S, Q = g.num_seqs, g.q_len
             qg = q[g.span[0]: g.span[1]] if g.span else q.index_select(0, g.token_idx)
             qg = qg.view(S, Q, h, d).transpose(1, 2)                                        # [S, h, Q, d]
-            kg = self.k_cache.index_select(0, g.blocks).to(q.dtype).view(S, -1, kvh, d).transpose(1, 2)  # [S, kvh, L, d]
-            vg = self.v_cache.index_select(0, g.blocks).to(q.dtype).view(S, -1, kvh, d).transpose(1, 2)
+            kg = _gather(self.k_cache, g.blocks, S, q.dtype)  # [S, kvh, L, d]
+            vg = _gather(self.v_cache, g.blocks, S, q.dtype)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(self.window, ctx.block_size, q.dtype),
                                                scale=self.scale, enable_gqa=kvh != h)
             o = o.transpose(1, 2).reshape(S * Q, h, d)                                      # [S * Q, h, d]

@@ -12,13 +12,14 @@ pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
 
 
 def reference(q, k_cache, v_cache, tables, specs, scale, window):
-    """Each sequence's keys from its blocks, causal (and windowed) softmax in float64."""
-    h, kvh = q.shape[1], k_cache.shape[2]
+    """Each sequence's keys from its blocks (head-major: [kvh, block_size, d] each), causal (and windowed) softmax
+    in float64."""
+    h, kvh = q.shape[1], k_cache.shape[1]
     outs, t = [], 0
     for (prev, new), table in zip(specs, tables):
         L = prev + new
-        keys = torch.cat([k_cache[b] for b in table])[:L].double().repeat_interleave(h // kvh, 1)
-        vals = torch.cat([v_cache[b] for b in table])[:L].double().repeat_interleave(h // kvh, 1)
+        keys = torch.cat([k_cache[b].transpose(0, 1) for b in table])[:L].double().repeat_interleave(h // kvh, 1)
+        vals = torch.cat([v_cache[b].transpose(0, 1) for b in table])[:L].double().repeat_interleave(h // kvh, 1)
         scores = torch.einsum("qhd,khd->hqk", q[t: t + new].double(), keys) * scale
         qpos, kpos = torch.arange(prev, L)[:, None], torch.arange(L)[None]
         allowed = kpos <= qpos
@@ -68,7 +69,7 @@ def test_half_cache_under_fp32_queries(cache_dtype, specs, window):
 
 def test_a_cache_of_another_dtype_is_refused():
     q = torch.randn(1, 2, 8, dtype=torch.bfloat16)
-    cache = torch.zeros(2, 16, 2, 8)  # fp32 under bf16 queries: not a layout the kernel reads
+    cache = torch.zeros(2, 2, 16, 8)  # fp32 under bf16 queries: not a layout the kernel reads
     with pytest.raises(RuntimeError, match="caches must have q's dtype"):
         torch.ops.mii.paged_attention(q, q, q, cache, cache, torch.tensor([0]), torch.tensor([0, 1], dtype=torch.int32),
                                       torch.tensor([1], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32),
@@ -92,7 +93,7 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=No
     h, kvh = heads
     cache_dtype = cache_dtype or dtype
     num_blocks = sum(-(-(p + n) // block_size) for p, n in specs) + 8
-    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=cache_dtype)
+    k_cache = torch.zeros(num_blocks, kvh, block_size, d, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks).tolist()
     tables, slots = [], []
@@ -100,8 +101,8 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=No
         table = [free.pop() for _ in range(-(-(prev + new) // block_size))]
         tables.append(table)
         for p in range(prev):
-            k_cache[table[p // block_size], p % block_size] = torch.randn(kvh, d).to(cache_dtype)
-            v_cache[table[p // block_size], p % block_size] = torch.randn(kvh, d).to(cache_dtype)
+            k_cache[table[p // block_size], :, p % block_size] = torch.randn(kvh, d).to(cache_dtype)
+            v_cache[table[p // block_size], :, p % block_size] = torch.randn(kvh, d).to(cache_dtype)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(prev, prev + new)]
     T = sum(new for _, new in specs)
     q, k, v = (torch.randn(T, n, d).to(dtype) for n in (h, kvh, kvh))
@@ -113,8 +114,8 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=No
     out = torch.ops.mii.paged_attention(q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables,
                                         37, d ** -0.5, window)
     # the new keys and values are in their slots
-    flat_k, flat_v = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
-    assert torch.equal(flat_k[slots], k.to(cache_dtype)) and torch.equal(flat_v[slots], v.to(cache_dtype))
+    new_k, new_v = (c[slots // block_size, :, slots % block_size] for c in (k_cache, v_cache))
+    assert torch.equal(new_k, k.to(cache_dtype)) and torch.equal(new_v, v.to(cache_dtype))
     expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
     assert out.shape == (T, h * d) and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
@@ -124,7 +125,7 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=No
 def test_traceable_by_torch_compile():
     """The op has a fake implementation, so a compiled graph keeps it as one opaque call."""
     q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    kc, vc = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    kc, vc = torch.zeros(4, 2, 16, 8), torch.zeros(4, 2, 16, 8)
     args = (torch.tensor([0, 1, 2]), torch.tensor([0, 2, 3], dtype=torch.int32),
             torch.tensor([2, 1], dtype=torch.int32), torch.tensor([[0], [1]], dtype=torch.int32))
     from torch._subclasses.fake_tensor import FakeTensorMode
