@@ -226,7 +226,6 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           load_row(v_cache + base, vb, nk * d);
           kblk = kb, vblk = vb;
         }
-        const int64_t row_stride = d;
         for (int64_t r = 0; r < rows; ++r) {
           // keys j0 + j visible to this row: (qpos - window, qpos]
           const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
@@ -234,7 +233,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           if (last <= first) continue;
           const float* qr = qf + r * d;
           float* sr = sc + r * B;
-          scores(qr, kblk, row_stride, d, first, last, sr);
+          scores(qr, kblk, d, d, first, last, sr);
           float mx = m[r];
           for (int64_t j = first; j < last; ++j) mx = std::max(mx, sr[j]);
           const float c = std::exp(m[r] - mx);  // rescale what was accumulated under the old maximum
@@ -247,7 +246,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           m[r] = mx;
           float* ar = acc + r * d;
           for (int64_t e = 0; e < d; ++e) ar[e] *= c;
-          values(ar, sr, vblk, row_stride, d, first, last);
+          values(ar, sr, vblk, d, d, first, last);
         }
       }
       if (np == 1) {

@@ -247,6 +247,7 @@ class EnginePlan(BaseModel):
     kv_block_size: int
     kv_num_blocks: int
     kv_cache_bytes: int
+    kv_dtype: str = Field("", description="the KV cache's dtype (bf16 under fp32 math where the weights are bf16)")
     max_batch_tokens: int = Field(description="the token budget of a step")
     max_batch_seqs: int
     max_context: int
