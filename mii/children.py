@@ -5,9 +5,11 @@ start-up failure in one format (`mii.errors.error_info` JSON in the spec's `erro
 back into the same typed error in the parent."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -85,3 +87,26 @@ def child_main(run: Callable[[dict], None], what: str, watch_parent: bool = True
             write_json(spec["error_file"], error_info(e))
         return 1
     return 0
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of a replica's process group (its tensor-parallel ranks; the replica leads the group, as
+    it was started in its own session). Only processes of that group that run mii are touched."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in _group_members(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and b"mii." in (entry / "cmdline").read_bytes():
+                members.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return members

@@ -97,6 +97,8 @@ def cmd_serve(args) -> int:
         kwargs["inference_engine_config"] = {"state_manager": {"max_context": args.max_context}}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
+    if args.ray is not None:
+        kwargs.update(cluster="ray", ray_address=args.ray or None)
     kwargs.update(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     cfg = build_mii_config(args.model, **kwargs)
     logging.getLogger("mii").setLevel(logging.WARNING if args.quiet else logging.INFO)
@@ -112,6 +114,15 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_scale(args) -> int:
+    import mii
+
+    client = mii.client(args.deployment, api_key=_api_key(args))
+    serving = client.scale(args.replicas)
+    print(f"mii: deployment {client.deployment_name!r} has {args.replicas} replica(s), {serving} serving")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mii", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -122,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  mii generate \"What is the capital of France?\"\n"
                "  mii serve                                  # OpenAI API + REST on :8000, gRPC on :50050\n"
                "  mii serve ./my-model --port 8080 --replicas 2 --api-key secret\n"
+               "  mii scale my-model-mii-deployment 3        # replicas of a running deployment\n"
+               "  mii serve ./my-model --ray auto --grpc-host 0.0.0.0 --api-key secret   # on a Ray cluster\n"
                "  mii explain ./my-model                     # what the engine chose and why\n\n"
                "`mii COMMAND --help` describes each command.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--grpc-host", default="127.0.0.1",
                    help="address the gRPC service binds (default: 127.0.0.1; it also carries Terminate)")
     v.add_argument("--replicas", type=int, default=1, help="engine processes; CPU threads are divided between them")
+    v.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="place the replicas on a Ray cluster (pip install 'mii[ray]'): 'auto' joins the one running "
+                        "on this host, HOST:PORT the one at that address; no ADDRESS starts one of this host alone")
     v.add_argument("--deployment-name", default=None,
                    help="name for mii.client(NAME) and /mii/NAME (default: <model basename>-mii-deployment)")
     key = v.add_mutually_exclusive_group()
@@ -183,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--quiet", action="store_true", help="log warnings only")
     _add_model_args(v)
     v.set_defaults(func=cmd_serve)
+    s = sub.add_parser("scale", help="change the number of replicas of a running deployment",
+                       description="mii scale NAME N  — N replicas for the deployment NAME (mii.client(NAME).scale(N)): "
+                       "new ones enter rotation once loaded; removed ones finish their requests first.")
+    s.add_argument("deployment", metavar="NAME")
+    s.add_argument("replicas", type=int, metavar="N")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="the deployment's API key, if it has one")
+    key.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    s.set_defaults(func=cmd_scale)
     e = sub.add_parser("explain", help="print the engine plan (dtype, threads, KV cache, budget) for a model")
     e.add_argument("model", nargs="?", default=None)
     _add_model_args(e)

@@ -211,8 +211,14 @@ class MIIConfig(_Config):
     restful_api_port: int = Field(28080, ge=1, le=65535)
     """HTTP port (REST gateway and OpenAI API)."""
     hostfile: str = HOSTFILE_DEFAULT
-    """MII's field (DeepSpeed's multi-node hostfile); only its default is accepted: a deployment runs on this
-    host (`replica_num` engines of `tensor_parallel` processes each)."""
+    """MII's field (DeepSpeed's multi-node hostfile); only its default is accepted. Several machines are a Ray
+    cluster here (`cluster="ray"`), which places the replicas itself: a hostfile has nothing left to say."""
+    cluster: Literal["local", "ray"] = "local"
+    """Where the replicas run: `local`, processes on this host; `ray`, actors that a Ray cluster places on its
+    nodes (`pip install 'mii[ray]'`), each replica with all of its tensor-parallel ranks on one node."""
+    ray_address: Optional[str] = None
+    """With `cluster="ray"`: the cluster to join (`auto`: the one running on this host; `HOST:PORT`: its GCS
+    address); none starts a cluster of this host alone (or joins `$RAY_ADDRESS` when set)."""
     max_waiting_requests: Optional[int] = Field(None, ge=0)
     """Requests an engine may hold waiting for a slot before new ones are refused at once (gRPC RESOURCE_EXHAUSTED,
     HTTP 429); unbounded (up to `max_tracked_sequences`) when unset."""
@@ -254,12 +260,20 @@ class MIIConfig(_Config):
                              "AzureML deployments are not)")
         return v
 
+    @model_validator(mode="after")
+    def _ray_address_needs_ray(self):
+        if self.ray_address is not None and self.cluster != "ray":
+            raise ValueError(f"ray_address={self.ray_address!r} is given but cluster={self.cluster!r}: set "
+                             "cluster='ray' to serve on a Ray cluster")
+        return self
+
     @field_validator("hostfile")
     @classmethod
     def _one_host(cls, v):
         if v != HOSTFILE_DEFAULT:
-            raise ValueError(f"hostfile={v!r} is not supported: a deployment runs on this host only; use "
-                             "replica_num and tensor_parallel to use more of its devices")
+            raise ValueError(f"hostfile={v!r} is not supported: to serve from several machines, make them one Ray "
+                             "cluster (`ray start --head` on one, `ray start --address HEAD:6379` on the others) and "
+                             "serve with cluster='ray' (mii serve MODEL --ray auto); Ray places the replicas")
         return v
 
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, Union
 
 import grpc
 from google.protobuf import empty_pb2
@@ -32,6 +31,10 @@ from mii.response import Response
 from mii.serving.protocol import (CHANNEL_OPTIONS, error_from_rpc, error_status, from_multi_reply, num_sequences, pb2,
                                   pb2_grpc, to_multi_reply)
 
+if TYPE_CHECKING:
+    from mii.serving.deployment import LocalReplica
+    from mii.serving.ray_cluster import RayReplica
+
 log = logging.getLogger("mii")
 
 
@@ -39,8 +42,11 @@ log = logging.getLogger("mii")
 class Replica:
     index: int
     address: str
-    process: Optional[subprocess.Popen] = None
+    process: Optional[Union["LocalReplica", "RayReplica"]] = None
+    node: str = "local"
     alive: bool = True
+    retiring: bool = False
+    """Being removed by a scale-down: no new requests; those in flight finish."""
     outstanding: int = 0
     channel: Optional[grpc.aio.Channel] = field(default=None, repr=False)
     stub: Optional[pb2_grpc.ModelResponseStub] = field(default=None, repr=False)
@@ -90,6 +96,19 @@ class LoadBalancer:
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive]
 
+    def nodes(self) -> dict[str, list[int]]:
+        """The replicas in rotation on each node."""
+        out: dict[str, list[int]] = {}
+        for r in self.live:
+            out.setdefault(r.node, []).append(r.index)
+        return out
+
+    async def remove(self, replica: Replica) -> None:
+        """Take a replica out for good (a scale-down, once its requests finished)."""
+        self.replicas.remove(replica)
+        self.metrics.up.remove(str(replica.index))
+        await replica.channel.close()
+
     def mark_dead(self, replica: Replica, why: str) -> None:
         if replica.alive:
             replica.alive = False
@@ -100,11 +119,12 @@ class LoadBalancer:
         """Take replicas whose process ended out of rotation."""
         for r in self.replicas:
             if r.alive and r.exited():
-                self.mark_dead(r, f"its process exited with code {r.process.returncode}")
+                self.mark_dead(r, getattr(r.process, "died", None) or f"its process exited with code "
+                                  f"{r.process.returncode}")
 
     def pick(self, exclude=()) -> Replica:
         self.check()
-        live = [r for r in self.live if r not in exclude]
+        live = [r for r in self.live if r not in exclude and not r.retiring]
         if not live:
             raise DeploymentUnavailableError("no replica of this deployment is serving")
         least = min(r.outstanding for r in live)
@@ -196,12 +216,12 @@ class LoadBalancer:
                 try:
                     reply = await r.stub.EngineStats(empty_pb2.Empty(), timeout=5, metadata=self._metadata)
                     s = reply.replicas[0]
-                    s.outstanding = r.outstanding
+                    s.outstanding, s.node = r.outstanding, r.node
                     return s
                 except grpc.aio.AioRpcError as e:
                     log.warning("replica %d did not answer EngineStats: %s", r.index, e.code().name)
             return pb2.ReplicaStats(replica=r.index, alive=False, outstanding=r.outstanding,
-                                    pid=r.process.pid if r.process else 0)
+                                    pid=r.process.pid if r.process else 0, node=r.node)
 
         return list(await asyncio.gather(*(one(r) for r in self.replicas)))
 
@@ -222,9 +242,11 @@ def _error_kind(e: MIIError) -> str:
 class BalancerServicer(pb2_grpc.ModelResponseServicer):
     """MII's gRPC service in front of the replicas."""
 
-    def __init__(self, lb: LoadBalancer, on_terminate: Callable[[], None]):
+    def __init__(self, lb: LoadBalancer, on_terminate: Callable[[], None],
+                 on_scale: Optional[Callable[[int], Awaitable[int]]] = None):
         self.lb = lb
         self.on_terminate = on_terminate
+        self.on_scale = on_scale
 
     async def GeneratorReplyStream(self, request, context):
         stream = self.lb.stream(request, context.time_remaining())
@@ -250,3 +272,11 @@ class BalancerServicer(pb2_grpc.ModelResponseServicer):
     async def Terminate(self, request, context):
         self.on_terminate()
         return empty_pb2.Empty()
+
+    async def Scale(self, request, context):
+        try:
+            if self.on_scale is None:
+                raise ValidationError("replicas", "this service cannot change its number of replicas")
+            return pb2.ScaleReply(replicas=await self.on_scale(request.replicas))
+        except MIIError as e:
+            await context.abort(*error_status(e))

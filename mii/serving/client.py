@@ -1,5 +1,6 @@
 """`MIIClient`: talks to a running deployment over gRPC (MII's service) — blocking, streaming and async calls —
-and `mii.client(name)`, which finds a deployment on this host by its record. A deployment with an API key needs
+and `mii.client(name)`, which finds a deployment on this host by its record (or, on a node of a Ray cluster, one
+served on that cluster). A deployment with an API key needs
 it on every call (sent as `authorization: Bearer <key>` metadata); the record never holds the key."""
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ from mii.serving import records
 from mii.serving.auth import call_metadata
 from mii.engine.outputs import ResponseJoiner
 from mii.engine.requests import normalize_prompts
-from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_multi_reply, make_request, pb2_grpc
+from mii.serving.protocol import CHANNEL_OPTIONS, error_from_rpc, from_multi_reply, make_request, pb2, pb2_grpc
 
 
 class MIIClient:
     """A handle on a running deployment (returned by `mii.serve` and `mii.client`)."""
 
-    def __init__(self, record: dict, process=None, api_key: Optional[str] = None):
+    def __init__(self, record: dict, process=None, api_key: Optional[str] = None, remote: bool = False):
         self.record = record
+        self.remote = remote
+        """Found on the Ray cluster, running on another host: none of its processes are this host's."""
         self._metadata = call_metadata(api_key)
         self.mii_config = MIIConfig.model_validate(record["mii_config"])
         self.deployment_name: str = record["name"]
         self.port_number: int = record["port"]
-        self.address = f"{record['host']}:{record['port']}"
+        self.address = f"{record.get('cluster_host', record['host'])}:{record['port']}"
         self._process = process  # the front process, when this process started it
         self._channel: Optional[grpc.Channel] = None
         self._stub = None
@@ -121,6 +124,16 @@ class MIIClient:
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
+    def scale(self, replicas: int) -> int:
+        """Change the deployment's number of replicas (more start and enter rotation once loaded; fewer finish
+        their requests in flight first); returns once done, with the number of replicas serving."""
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ValidationError("replicas", f"expected an int, got {replicas!r}")
+        try:
+            return self._stub_sync().Scale(pb2.ScaleRequest(replicas=replicas), metadata=self._metadata).replicas
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
     # --- lifecycle -----------------------------------------------------------------------------------------------
 
     def terminate_server(self, timeout: Optional[float] = None) -> None:
@@ -135,8 +148,18 @@ class MIIClient:
             self._stub_sync().Terminate(empty_pb2.Empty(), timeout=10, metadata=self._metadata)
         except grpc.RpcError:
             pass  # already stopping or gone: make sure below
-        pids = [record["pid"]] + [r["pid"] for r in record.get("replicas", ())]
         deadline = time.monotonic() + timeout
+        if self.remote:  # its processes are on another host: wait for its service to go away
+            while time.monotonic() < deadline:
+                try:
+                    self._stub_sync().EngineStats(empty_pb2.Empty(), timeout=2, metadata=self._metadata)
+                except grpc.RpcError:
+                    break
+                time.sleep(0.1)
+            self.close()
+            return
+        # (replicas that Ray placed run on their nodes: their actors end with the front process)
+        pids = [record["pid"]] + [r["pid"] for r in record.get("replicas", ()) if r.get("node", "local") == "local"]
         if self._process is not None:
             try:
                 self._process.wait(timeout=timeout)
@@ -177,6 +200,12 @@ def client(deployment_name_or_model: str, api_key: Optional[str] = None) -> MIIC
             continue
         if record is not None:
             return MIIClient(record, api_key=api_key)
+    from mii.serving.ray_cluster import find_record
+
+    for candidate in (name, records.default_deployment_name(name)):  # one served on the Ray cluster of this host
+        record = find_record(candidate)
+        if record is not None:
+            return MIIClient(record, api_key=api_key, remote=True)
     running = ", ".join(records.list_names()) or "none"
-    raise DeploymentNotFoundError(f"no running deployment named {name!r} on this host (running: {running}); "
-                                  "start one with mii.serve(...) or `mii serve`")
+    raise DeploymentNotFoundError(f"no running deployment named {name!r} on this host (running: {running}) nor on "
+                                  "a Ray cluster it belongs to; start one with mii.serve(...) or `mii serve`")

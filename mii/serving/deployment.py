@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +30,9 @@ from typing import Callable, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mii.children import child_main, read_error, spawn, wait_or_kill
+from mii.children import child_main, end_group, read_error, spawn, wait_or_kill
 from mii.config import DEVICE_MAP_DEFAULT, MIIConfig
-from mii.errors import MIIError, ValidationError
+from mii.errors import DeploymentExistsError, DeploymentUnavailableError, MIIError, ValidationError
 from mii.parallel.placement import gpu_count, replica_devices
 from mii.serving import reasoning, records, tool_parsers
 from mii.serving.auth import GRPCKeyCheck, exposure_warnings
@@ -75,11 +74,58 @@ def http_server(app):
     return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, timeout_keep_alive=5))
 
 
+MAX_REPLICAS = 256
+"""The most replicas `scale` accepts."""
 RESTART_BACKOFF_S = 0.5
 """Wait before restarting a replica that died; doubled for each death or failed start in a row, up to the max."""
 RESTART_BACKOFF_MAX_S = 30.0
 STABLE_S = 60.0
 """A replica that served this long before dying starts again from the shortest wait."""
+
+
+class LocalReplica:
+    """A replica's engine process on this host (its tensor-parallel ranks are in its process group)."""
+
+    node = "local"
+
+    def __init__(self, spec: dict, env: dict, log_file: str = ""):
+        self.spec = spec
+        self.log_file = log_file
+        for f in (spec["ready_file"], spec["error_file"]):
+            Path(f).unlink(missing_ok=True)
+        # its own session: a signal to the front's terminal does not reach it, and its group is its ranks
+        self.proc = spawn("mii.serving.replica", spec, env=env, start_new_session=True)
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.returncode
+
+    def ready(self) -> Optional[dict]:
+        """The replica's ready info once it serves; None while it loads; raises its typed error if it exited."""
+        ready = Path(self.spec["ready_file"])
+        if ready.is_file():
+            return json.loads(ready.read_text())
+        if self.proc.poll() is not None:
+            error = read_error(self.spec["error_file"])
+            raise error or MIIError(f"replica {self.spec['index']} exited with code {self.proc.returncode} while "
+                                    f"loading (see {self.log_file or 'the deployment log'})")
+        return None
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self.proc.wait(timeout)
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def end(self) -> None:
+        end_group(self.proc)
 
 
 class Deployment:
@@ -94,10 +140,17 @@ class Deployment:
         self.metrics = Metrics()
         self.lb = LoadBalancer(self.metrics, cfg.request_timeout, cfg.model_config_.replica_num, api_key=cfg.api_key)
         self.health = health.aio.HealthServicer()
-        self.processes: dict[int, subprocess.Popen] = {}
+        self.processes: dict[int, LocalReplica] = {}
         """Each replica's current engine process (rank 0 of its tensor-parallel group, the group's leader)."""
         self.launches: dict[int, tuple[dict, dict]] = {}
-        """Each replica's (spec, environment), to start it again the same way."""
+        """Each replica's (spec, environment), to start it again the same way; its keys are the replicas the
+        deployment has now (`scale` adds and removes them)."""
+        self.ray = None
+        """The `ray` module once joined to the cluster (`cluster="ray"`); replicas are then `RayReplica`s."""
+        self._directory = None
+        self.threads = 0
+        """CPU threads of each replica's ranks (set at start; replicas added by `scale` get as many)."""
+        self._scale_lock = asyncio.Lock()
         self.served: Optional[ServedModel] = None
         self._tmp = Path(tempfile.mkdtemp(prefix=f"mii-{self.name}-"))
         self._grpc: Optional[grpc.aio.Server] = None
@@ -117,18 +170,40 @@ class Deployment:
             name=self.name, pid=os.getpid(), state="starting", host=connect_host(self.cfg.grpc_host),
             port=self.cfg.port_number, http_port=self.cfg.restful_api_port if self.cfg.enable_restful_api else None,
             model=mc.model_name_or_path, log=str(records.log_path(self.name)), started=time.time(), replicas=[],
-            mii_config=self.cfg.model_dump(mode="json", by_alias=True, exclude={"api_key"}))
+            mii_config=self.cfg.model_dump(mode="json", by_alias=True, exclude={"api_key"}), cluster=self.cfg.cluster)
         records.claim(self.record)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         try:
+            if self.cfg.cluster == "ray":
+                await self._join_ray()
             await self._start()
             await self.stop_event.wait()
             log.info("deployment %r stopping", self.name)
         finally:
             await self._shutdown()
             records.remove(self.name, os.getpid())
+            if self.ray is not None:
+                self.ray.shutdown()
+
+    async def _join_ray(self) -> None:
+        from mii.serving import ray_cluster
+
+        self.ray = await asyncio.to_thread(ray_cluster.connect, self.cfg.ray_address)
+        if ray_cluster.name_taken(self.ray, self.name):
+            raise DeploymentExistsError(f"a deployment named {self.name!r} already runs on this Ray cluster; stop it "
+                                        f"with mii.client({self.name!r}).terminate_server() or pick another "
+                                        "deployment_name")
+        node_ip = self.ray.util.get_node_ip_address()
+        grpc_host = bind_host(self.cfg.grpc_host)
+        everywhere = grpc_host in ("0.0.0.0", "::")
+        # what a client on another node connects to: this node's address when the service listens on every one
+        self.record.update(node_ip=node_ip, loopback=grpc_host.startswith("127.") or grpc_host == "::1",
+                           ray_address=self.ray.get_runtime_context().gcs_address,
+                           cluster_host=node_ip if everywhere else self.record["host"])
+        log.info("deployment %r: on the Ray cluster at %s (%d node(s)), front on %s", self.name,
+                 self.record["ray_address"], sum(1 for n in self.ray.nodes() if n.get("Alive")), node_ip)
 
     def stop(self) -> None:
         """Begin a graceful stop (drain, then exit); called again while stopping, stop at once."""
@@ -145,7 +220,7 @@ class Deployment:
             log.warning("WARNING: %s", warning)
         server = self._grpc = grpc.aio.server(options=server_options(cfg.max_request_bytes),
                                               interceptors=[GRPCKeyCheck(cfg.api_key)] if cfg.api_key else None)
-        pb2_grpc.add_ModelResponseServicer_to_server(BalancerServicer(self.lb, self.stop), server)
+        pb2_grpc.add_ModelResponseServicer_to_server(BalancerServicer(self.lb, self.stop, self.scale), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         grpc_host = bind_host(cfg.grpc_host)
@@ -166,6 +241,10 @@ class Deployment:
         await self._load_model_info()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.record["state"] = "ready"
+        if self.ray is not None:
+            from mii.serving import ray_cluster
+
+            self._directory = ray_cluster.publish(self.ray, self.record)
         self._write_record()
         self._task(self._monitor())
         http = ""
@@ -182,9 +261,11 @@ class Deployment:
         task.add_done_callback(self._tasks.discard)
 
     def _write_record(self) -> None:
-        self.record["replicas"] = [{"index": r.index, "pid": r.process.pid, "address": r.address}
+        self.record["replicas"] = [{"index": r.index, "pid": r.process.pid, "address": r.address, "node": r.node}
                                    for r in self.lb.replicas]
         records.write(self.record)
+        if self._directory is not None:
+            self._directory.set.remote(self.record)
 
     async def _set_health(self, status) -> None:
         await self.health.set("", status)
@@ -194,14 +275,28 @@ class Deployment:
 
     async def _start_replicas(self) -> None:
         mc = self.cfg.model_config_
-        threads = replica_threads(self.cfg)
-        devices = replica_devices(mc, gpu_count())
+        if self.ray is None:
+            self.threads = replica_threads(self.cfg)
+            devices = replica_devices(mc, gpu_count())
+            where = "".join(f"; replica {i} on GPU(s) {d}" for i, d in enumerate(devices) if d)
+        else:
+            from mii.serving.ray_cluster import replica_resources
+
+            self._ray_resources = replica_resources(self.ray, mc)
+            self.threads = self._ray_resources[0] // mc.tensor_parallel
+            devices = [None] * mc.replica_num
+            where = f"; each asks Ray for {self._ray_resources[0]} CPU(s)" + (
+                f" and {self._ray_resources[1]} GPU(s)" if self._ray_resources[1] else "")
         for i in range(mc.replica_num):
-            self.launches[i] = replica_launch(self.cfg, i, threads, devices[i], self._tmp, self.served.name)
+            self.launches[i] = replica_launch(self.cfg, i, self.threads, devices[i], self._tmp, self.served.name)
             self._spawn(i)
         log.info("deployment %r: %d replica(s) of %s loading, %d thread(s) each%s", self.name, mc.replica_num,
-                 self.served.name, threads, "".join(f"; replica {i} on GPU(s) {d}" for i, d in enumerate(devices) if d))
-        waiting = set(range(mc.replica_num))
+                 self.served.name, self.threads, where)
+        await self._await_ready(range(mc.replica_num))
+
+    async def _await_ready(self, indices) -> None:
+        """Put each of these replicas in rotation once it serves; raises the error of one that failed."""
+        waiting = set(indices)
         while waiting:
             for i in sorted(waiting):
                 replica = self._poll_ready(i)
@@ -213,30 +308,28 @@ class Deployment:
                 raise MIIError("stopped while loading")
             await asyncio.sleep(0.05)
 
-    def _spawn(self, index: int) -> subprocess.Popen:
+    def _spawn(self, index: int):
         spec, env = self.launches[index]
-        for f in (spec["ready_file"], spec["error_file"]):
-            Path(f).unlink(missing_ok=True)
-        # its own session: a signal to the front's terminal does not reach it, and its group is its ranks
-        proc = self.processes[index] = spawn("mii.serving.replica", spec, env=env, start_new_session=True)
-        return proc
+        if self.ray is None:
+            handle = LocalReplica(spec, env, self.record.get("log", ""))
+        else:
+            from mii.serving.ray_cluster import RayReplica
+
+            # only mii's own settings travel: the rest of this host's environment means nothing on another node
+            own = {k: v for k, v in env.items() if k.startswith("MII_") or k in ("TOKENIZERS_PARALLELISM",
+                                                                                 "OMP_NUM_THREADS")}
+            handle = RayReplica(self.ray, spec, own, *self._ray_resources)
+        self.processes[index] = handle
+        return handle
 
     def _poll_ready(self, index: int) -> Optional[Replica]:
-        """The replica once its process reports ready; None while it loads; its typed error if it exited."""
-        spec, _ = self.launches[index]
-        proc = self.processes[index]
-        ready = Path(spec["ready_file"])
-        if ready.is_file():
-            info = json.loads(ready.read_text())
-            self.served.plans[index] = {"pid": info["pid"], "plan": info.get("plan")}  # replaces a dead one's
-            return Replica(index, f"127.0.0.1:{info['port']}", proc)
-        if proc.poll() is not None:
-            error = read_error(spec["error_file"])
-            if error is not None:
-                raise error
-            raise MIIError(f"replica {index} exited with code {proc.returncode} while loading "
-                           f"(see {self.record['log']})")
-        return None
+        """The replica once it reports ready; None while it loads; its typed error if it ended."""
+        handle = self.processes[index]
+        info = handle.ready()
+        if info is None:
+            return None
+        self.served.plans[index] = {"pid": info["pid"], "plan": info.get("plan"), "node": handle.node}
+        return Replica(index, f"{connect_host(info.get('host', '127.0.0.1'))}:{info['port']}", handle, node=handle.node)
 
     async def _load_model_info(self) -> None:
         stats = await self.lb.stats()
@@ -256,7 +349,7 @@ class Deployment:
         while not self.stop_event.is_set():
             self.lb.check()
             for r in self.lb.replicas:
-                if not r.alive and r.index not in self._restarting:
+                if not r.alive and not r.retiring and r.index not in self._restarting:
                     self._restarting.add(r.index)
                     self._task(self._restart(r.index))
             serving = bool(self.lb.live)
@@ -280,10 +373,10 @@ class Deployment:
                 log.warning("deployment %r: replica %d is down; restarting it in %.1f s", self.name, index, delay)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop_event.wait(), delay)
-                if self.stop_event.is_set():
+                if self.stop_event.is_set() or index not in self.launches:  # stopping, or scaled down meanwhile
                     return
-                await asyncio.to_thread(end_group, self.processes[index])  # what is left of the old group
-                if self.stop_event.is_set():
+                await asyncio.to_thread(self.processes[index].end)  # what is left of the old group (or actor)
+                if self.stop_event.is_set() or index not in self.launches:
                     return
                 self._spawn(index)
                 try:
@@ -300,11 +393,75 @@ class Deployment:
                 self._up_since[index] = time.monotonic()
                 self.metrics.restarts.labels(str(index)).inc()
                 self._write_record()
-                log.warning("deployment %r: replica %d restarted (pid %d); %d of %d up", self.name, index,
-                            replica.process.pid, len(self.lb.live), self.lb.expected)
+                log.warning("deployment %r: replica %d restarted (pid %d%s); %d of %d up", self.name, index,
+                            replica.process.pid, "" if self.ray is None else f", node {replica.node}",
+                            len(self.lb.live), self.lb.expected)
                 return
         finally:
             self._restarting.discard(index)
+
+    # --- scaling -------------------------------------------------------------------------------------------------
+
+    async def scale(self, n: int) -> int:
+        """Change the number of replicas to `n` (the `Scale` RPC: `client.scale(n)`, `mii scale`); returns the
+        replicas serving then. New replicas take the lowest free indices and enter rotation once loaded (a failure
+        to load is raised, and nothing of it stays); removed ones, the highest indices, first leave rotation and
+        finish their requests in flight (up to `drain_timeout`), then stop. Requests are not dropped either way."""
+        if not 1 <= n <= MAX_REPLICAS:
+            raise ValidationError("replicas", f"replicas={n}: between 1 and {MAX_REPLICAS} (terminate_server() "
+                                              "stops a deployment)")
+        async with self._scale_lock:
+            if self.lb.draining or self.stop_event.is_set():
+                raise DeploymentUnavailableError("the deployment is shutting down")
+            have = sorted(self.launches)
+            if n > len(have):
+                await self._add_replicas([i for i in range(n) if i not in self.launches][:n - len(have)], n)
+            elif n < len(have):
+                await self._retire(have[n:])
+            self.lb.expected = n
+            self._write_record()
+            log.info("deployment %r scaled to %d replica(s) (%d serving)", self.name, n, len(self.lb.live))
+            return len(self.lb.live)
+
+    async def _add_replicas(self, indices: list[int], n: int) -> None:
+        mc = self.cfg.model_config_
+        devices = ([None] * n if self.ray is not None else
+                   replica_devices(mc.model_copy(update={"replica_num": n}), gpu_count()))
+        for i in indices:
+            self.launches[i] = replica_launch(self.cfg, i, self.threads, devices[i], self._tmp, self.served.name)
+            self._spawn(i)
+        log.info("deployment %r: %d replica(s) more loading (%s)", self.name, len(indices),
+                 ", ".join(map(str, indices)))
+        try:
+            await self._await_ready(indices)
+        except BaseException:
+            for i in indices:
+                replica = next((r for r in self.lb.replicas if r.index == i), None)
+                if replica is not None:
+                    await self.lb.remove(replica)
+                await asyncio.to_thread(self.processes.pop(i).end)
+                self.launches.pop(i, None)
+                self.served.plans.pop(i, None)
+            raise
+
+    async def _retire(self, indices: list[int]) -> None:
+        gone = [r for r in self.lb.replicas if r.index in indices]
+        for i in indices:
+            self.launches.pop(i)  # not restarted from now on
+        for r in gone:
+            r.retiring = True
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while any(r.outstanding for r in gone) and time.monotonic() < deadline and not self.stop_event.is_set():
+            await asyncio.sleep(0.05)
+        for i in indices:
+            handle = self.processes.pop(i)
+            if handle.poll() is None:
+                handle.terminate()
+            await asyncio.to_thread(wait_or_kill, [handle], 5)
+            await asyncio.to_thread(handle.end)
+            self.served.plans.pop(i, None)
+        for r in gone:
+            await self.lb.remove(r)
 
     # --- shutdown ------------------------------------------------------------------------------------------------
 
@@ -329,8 +486,8 @@ class Deployment:
                 if p.poll() is None:
                     p.terminate()
         await asyncio.to_thread(wait_or_kill, procs, 0.5 if self.force.is_set() else 5)
-        for p in procs:  # tensor-parallel ranks that outlived their leader
-            await asyncio.to_thread(end_group, p)
+        for p in procs:  # tensor-parallel ranks that outlived their leader (a Ray replica's actor)
+            await asyncio.to_thread(p.end)
         if self._http is not None:
             self._http.should_exit = True
             with contextlib.suppress(Exception):
@@ -375,29 +532,6 @@ def replica_launch(cfg: MIIConfig, index: int, threads: int, gpus: Optional[list
                 log_level=log.getEffectiveLevel(),
                 ready_file=str(tmp / f"replica{index}.ready"), error_file=str(tmp / f"replica{index}.error"))
     return spec, env
-
-
-def end_group(proc: subprocess.Popen) -> None:
-    """Kill what is left of a replica's process group (its tensor-parallel ranks; the replica leads the group, as
-    it was started in its own session). Only processes of that group that run mii are touched."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for pid in _group_members(proc.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and b"mii." in (entry / "cmdline").read_bytes():
-                members.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return members
 
 
 def http_listener(host: str, port: int) -> socket.socket:

@@ -43,11 +43,14 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         if not model.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         if not lb.live:
-            return JSONResponse({"status": "unavailable", "replicas": 0, "configured": lb.expected}, status_code=503)
+            return JSONResponse({"status": "unavailable", "replicas": 0, "configured": lb.expected, "nodes": {}},
+                                status_code=503)
         if lb.draining:
-            return JSONResponse({"status": "stopping", "replicas": len(lb.live)}, status_code=503)
+            return JSONResponse({"status": "stopping", "replicas": len(lb.live), "nodes": lb.nodes()},
+                                status_code=503)
         # degraded: still serving (200), with fewer replicas than configured while the dead ones restart
-        return {"status": "degraded" if lb.degraded else "ok", "replicas": len(lb.live), "configured": lb.expected}
+        return {"status": "degraded" if lb.degraded else "ok", "replicas": len(lb.live), "configured": lb.expected,
+                "nodes": lb.nodes()}
 
     @app.get("/metrics", response_class=HTTPResponse, **documented(responses={
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}}))

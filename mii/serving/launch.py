@@ -46,6 +46,10 @@ def serve(model_name_or_path: Optional[str] = None, model_config=None, mii_confi
     """Start a deployment (front process with the load balancer and optional HTTP gateway, one engine process
     per replica) that outlives this process; returns its `MIIClient` once every replica is serving."""
     cfg = build_mii_config(model_name_or_path, model_config, mii_config, **kwargs)
+    if cfg.cluster == "ray":
+        from mii.serving.ray_cluster import import_ray
+
+        import_ray()  # here, not in the front process: the caller learns at once that Ray is missing
     name = cfg.deployment_name
     existing = records.read(name)
     if existing is not None:

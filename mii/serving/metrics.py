@@ -30,6 +30,9 @@ class Metrics:
         self.errors = Counter("mii_request_errors", "Requests that ended with an error, by kind (overloaded, "
                               "timeout, unavailable, invalid, internal).", ["kind"], registry=r)
         self.up = Gauge("mii_replica_up", "1 while the replica is in the load balancer's rotation.", ["replica"], registry=r)
+        self.node = Gauge("mii_replica_node", "1 for the node each replica runs on (\"local\", or a Ray node's "
+                          "address/id); the replica's series moves with it when it is placed again.",
+                          ["replica", "node"], registry=r)
         self.outstanding = Gauge("mii_replica_outstanding_requests", "Sequences the load balancer has in flight on "
                                  "the replica.", ["replica"], registry=r)
         self.prompt_tokens = Counter("mii_prompt_tokens", "Prompt tokens of finished requests.", ["replica"], registry=r)
@@ -46,9 +49,11 @@ class Metrics:
 
     def render(self, stats) -> bytes:
         """Prometheus text, with the engine gauges set from `stats` (a list of `ReplicaStats`)."""
+        self.node.clear()  # only where each replica is now
         for s in stats:
             label = str(s.replica)
             self.up.labels(label).set(1 if s.alive else 0)
+            self.node.labels(label, s.node or "local").set(1)
             self.outstanding.labels(label).set(s.outstanding)
             if s.alive:
                 self.running.labels(label).set(s.num_running)

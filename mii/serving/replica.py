@@ -1,5 +1,6 @@
 """One engine process of a deployment (a replica): loads the model, runs the engine loop in its own thread, and
-serves MII's gRPC service plus `grpc.health.v1` on a loopback port that it reports to the front process.
+serves MII's gRPC service plus `grpc.health.v1` on a port it reports to the front process: on loopback, or on its
+node's address when Ray placed it (`mii.serving.ray_cluster`).
 
 Every gRPC call takes the one request path: `InputProcessor.process` (tokenized on one tokenizer thread, off the
 event loop), `Engine.add_requests`, and `OutputProcessor` for the chunks and final responses. The engine is not
@@ -254,7 +255,8 @@ async def serve_replica(spec: dict) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)] + CHANNEL_OPTIONS,
                              interceptors=[GRPCKeyCheck(key)] if key else None)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    host = spec.get("host", "127.0.0.1")  # a Ray node's address when the front runs on another node
+    port = server.add_insecure_port(f"{host}:0")
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
 
@@ -271,9 +273,9 @@ async def serve_replica(spec: dict) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(pb2.DESCRIPTOR.services_by_name["ModelResponse"].full_name,
                               health_pb2.HealthCheckResponse.SERVING)
-    log.info("replica %d (pid %d, %d threads) serving on 127.0.0.1:%d", index, os.getpid(),
-             torch.get_num_threads(), port)
-    write_json(spec["ready_file"], {"port": port, "pid": os.getpid(), "plan": built.plan.as_dict()})
+    log.info("replica %d (pid %d, %d threads) serving on %s:%d", index, os.getpid(), torch.get_num_threads(), host,
+             port)
+    write_json(spec["ready_file"], {"host": host, "port": port, "pid": os.getpid(), "plan": built.plan.as_dict()})
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, done.set)
     await done.wait()

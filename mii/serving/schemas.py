@@ -232,6 +232,8 @@ class Health(BaseModel):
     """ok, degraded (fewer replicas than configured, still serving), loading, stopping or unavailable"""
     replicas: Optional[int] = None
     configured: Optional[int] = None
+    nodes: Optional[dict[str, list[int]]] = None
+    """the replicas in rotation on each node ("local", or a Ray node's address/id)"""
 
 
 class EnginePlan(BaseModel):
@@ -259,6 +261,7 @@ class EnginePlan(BaseModel):
 class ReplicaPlan(BaseModel):
     replica: int
     pid: int = Field(description="the replica's process (a restarted replica reports its plan again)")
+    node: str = Field(description='where it runs: "local", or its Ray node (address/id)')
     plan: EnginePlan
 
 

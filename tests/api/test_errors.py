@@ -1,4 +1,6 @@
 """Bad input gets a precise, typed error and leaves the pipeline usable."""
+import sys
+
 import pytest
 
 import mii
@@ -81,7 +83,9 @@ def test_error_info_round_trip_across_processes():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(deployment_type="aml"), "deployment_type='aml' is not supported: only 'local'"),
     (dict(mii_config={"deployment_type": "AML"}), "deployment_type='AML' is not supported"),
-    (dict(hostfile="/etc/hosts"), "hostfile='/etc/hosts' is not supported: a deployment runs on this host only"),
+    (dict(hostfile="/etc/hosts"), "hostfile='/etc/hosts' is not supported: to serve from several machines, make "
+                                  "them one Ray cluster.*cluster='ray'"),
+    (dict(ray_address="auto"), "ray_address='auto' is given but cluster='local': set cluster='ray'"),
     (dict(sync_debug=True), "sync_debug=True is not supported.*CUDA_LAUNCH_BLOCKING=1"),
     (dict(profile_model_time=True), "profile_model_time=True is not supported.*/metrics"),
 ])
@@ -94,3 +98,11 @@ def test_mii_fields_that_would_be_ignored_are_refused(kwargs, words):
 
     cfg = build_mii_config("m", deployment_type="local", hostfile="/job/hostfile", sync_debug=False)
     assert cfg.deployment_type == "local" and cfg.model_config_.seed is None
+
+
+def test_ray_without_ray_says_how_to_install_it(monkeypatch):
+    """Ray is an optional extra: without it, a deployment on Ray is refused in the caller, before any process
+    starts, with the command that installs it."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where it is not installed
+    with pytest.raises(ValidationError, match=r"cluster='ray' needs Ray.*pip install 'mii\[ray\]'"):
+        mii.serve("no/such/model", cluster="ray")
