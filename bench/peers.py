@@ -1,4 +1,6 @@
-"""llama.cpp as a peer measured in the same run: `llama-bench`'s pp512 and tg128 on the same model file and cores.
+"""llama.cpp as a peer measured in the same run: `llama-bench`'s pp512 and tg128 on the same model file and cores,
+and tg256 @ d128 — 256 tokens generated after a 128-token context, the workload of our single-stream decode
+(tg128 starts from an empty context, so its attention reads fewer cached tokens per step).
 
 llama.cpp is not a dependency. Build it once (a few minutes on 2 cores; `cmake -B build -DGGML_NATIVE=ON
 -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-bench llama-quantize`) and point the benchmarks at the
@@ -37,18 +39,21 @@ def _as_type(binary: Path, gguf: Path, ftype: str) -> Optional[Path]:
 
 
 def llama_bench(binary: Path, gguf: Path, threads: int, types: tuple = (), repeat: int = 3) -> dict:
-    """{type: {"pp512": tok/s, "tg128": tok/s, "file": path}} for the file as it is ("file") and each of `types`."""
+    """{type: {"pp512": tok/s, "tg128": tok/s, "tg256@d128": tok/s, "file": path}} for the file as it is ("file")
+    and each of `types`."""
     results = {}
     for ftype in ("file",) + tuple(types):
         path = gguf if ftype == "file" else _as_type(binary, gguf, ftype)
         if path is None:
             continue
-        out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128",
-                              "-r", str(repeat), "-o", "json"], check=True, capture_output=True, text=True,
-                             timeout=900)
         row = {"file": str(path)}
-        for test in json.loads(out.stdout):
-            name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
-            row[name] = float(test["avg_ts"])
+        for args in (["-p", "512", "-n", "128"], ["-p", "0", "-n", "256", "-d", "128"]):
+            out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), *args, "-r", str(repeat),
+                                  "-o", "json"], check=True, capture_output=True, text=True, timeout=900)
+            for test in json.loads(out.stdout):
+                name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
+                if test.get("n_depth"):
+                    name += f"@d{test['n_depth']}"
+                row[name] = float(test["avg_ts"])
         results[ftype] = row
     return results

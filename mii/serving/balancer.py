@@ -118,7 +118,7 @@ class LoadBalancer:
     def check(self) -> None:
         """Take replicas whose process ended out of rotation."""
         for r in self.replicas:
-            if r.alive and r.exited():
+            if r.alive and not r.retiring and r.exited():  # (a retiring one is stopped on purpose)
                 self.mark_dead(r, getattr(r.process, "died", None) or f"its process exited with code "
                                   f"{r.process.returncode}")
 
