@@ -1,13 +1,14 @@
 """Offline speed in one run (SPEC §7, issue "Fast on CPU"): W64 against this machine's compute floor (a matmul
 probe run in this process) and against Hugging Face `transformers` `generate` (static batches of 16);
-single-stream decode (128-token prompt, 256 new tokens) against the weight-bandwidth floor (a copy probe);
-prefill of a 512-token prompt (pp512); time to first token; cold and warm start-up. With `--compare-torch`,
+single-stream decode (128-token prompt, 256 new tokens) against the weight-bandwidth floor (a copy probe), and
+from an empty context (1-token prompt, 128 new: llama-bench's tg128); prefill of a 512-token prompt (pp512); time to first token; cold and warm start-up. With `--compare-torch`,
 the same W64 and single stream through the torch reference backends (MII_KERNELS=0) in the same run, so
 the kernels' gain is a same-run ratio. With `--compare-quant`, the embedded model's weights three ways in the
 same run — bf16 (quantization="none", dequantized), int8 (quantized at load) and int4 (its GGUF's own blocks,
 the default) — each with its W64, single-stream decode and the resident memory its load added. Ratios are the
 result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
-llama.cpp's own pp512 and tg128 on the same GGUF file and cores in the same run, and on its BF16 re-quantization
+llama.cpp's own pp512, tg128 and tg256 @ d128 (our single stream's work) on the same GGUF file and cores in the
+same run, and on its BF16 re-quantization
 when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them).
 
     .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--compare-quant]
