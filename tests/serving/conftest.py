@@ -9,10 +9,12 @@ at the end even when a test fails.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
+import threading
 import time
 import uuid
 
@@ -71,6 +73,31 @@ def metric(text: str, name: str, **labels) -> float:
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+@contextlib.contextmanager
+def under_load(client, prompts: list, kwargs: dict, threads: int):
+    """While the block runs, `threads` threads each send prompt i (thread i) through `client.generate`, one request
+    after another. Yields the list that gets (i, token ids) of every finished request and (i, exception) of every
+    failed one; complete once the block is left."""
+    results, done = [], threading.Event()
+
+    def load(i):
+        while not done.is_set():
+            try:
+                results.append((i, client.generate(prompts[i], **kwargs)[0].token_ids))
+            except Exception as e:  # noqa: BLE001 - every failure is the caller's to report
+                results.append((i, e))
+
+    workers = [threading.Thread(target=load, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        yield results
+    finally:
+        done.set()
+        for w in workers:
+            w.join()
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1):

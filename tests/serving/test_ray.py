@@ -10,7 +10,6 @@ each), with real processes, sockets and clients:
   on the head node, and later requests succeed.
 """
 import asyncio
-import threading
 import time
 
 import httpx
@@ -21,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import mii
 from mii.errors import DeploymentUnavailableError
-from tests.serving.conftest import KV, free_port, metric, stop, unique_name, wait_until
+from tests.serving.conftest import KV, free_port, metric, stop, under_load, unique_name, wait_until
 
 PROMPTS = ["one two three", "the cat sat on", "a b c d e f", "hello world"]
 GREEDY = {"max_new_tokens": 12, "do_sample": False, "ignore_eos": True}
@@ -104,29 +103,13 @@ def test_client_on_another_node(served, cluster, expected, tmp_path):
 
 
 def test_scale_up_and_down_under_load(served, url, expected):
-    results, done = [], threading.Event()
-
-    def load(i):
-        while not done.is_set():
-            try:
-                results.append((i, served.generate(PROMPTS[i], **GREEDY)[0].token_ids))
-            except Exception as e:  # noqa: BLE001 - every failure is reported below
-                results.append((i, e))
-
-    workers = [threading.Thread(target=load, args=(0,))]  # one request after another: the third replica loads
-    for w in workers:
-        w.start()
-    try:
+    with under_load(served, PROMPTS, GREEDY, threads=1) as results:  # one request after another: a replica loads
         assert served.scale(3) == 3
         nodes = _nodes(url)
         assert sorted(i for v in nodes.values() for i in v) == [0, 1, 2] and len(nodes) == 2, nodes
         time.sleep(1.0)
         assert served.scale(2) == 2
         assert sorted(i for v in _nodes(url).values() for i in v) == [0, 1]
-    finally:
-        done.set()
-        for w in workers:
-            w.join()
     failures = [r for _, r in results if isinstance(r, Exception)]
     assert not failures, failures[:3]
     assert len(results) > 4 and all(ids == expected[i] for i, ids in results)

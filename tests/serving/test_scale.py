@@ -2,7 +2,6 @@
 with `mii scale`, and not one request fails or changes its tokens; out-of-range requests are refused."""
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -10,7 +9,7 @@ import pytest
 
 import mii
 from mii.errors import ValidationError
-from tests.serving.conftest import KV, free_port, stop, unique_name
+from tests.serving.conftest import KV, free_port, stop, under_load, unique_name
 
 PROMPTS = ["one two three", "the cat sat on", "a b c d e f", "hello world"]
 GREEDY = {"max_new_tokens": 12, "do_sample": False, "ignore_eos": True}
@@ -31,19 +30,7 @@ def _health(client) -> dict:
 
 def test_scale_under_load(single):
     want = [r.token_ids for r in single.generate(PROMPTS, **GREEDY)]
-    results, done = [], threading.Event()
-
-    def load(i):
-        while not done.is_set():
-            try:
-                results.append((i, single.generate(PROMPTS[i], **GREEDY)[0].token_ids))
-            except Exception as e:  # noqa: BLE001 - every failure is reported below
-                results.append((i, e))
-
-    workers = [threading.Thread(target=load, args=(i,)) for i in range(2)]
-    for w in workers:
-        w.start()
-    try:
+    with under_load(single, PROMPTS, GREEDY, threads=2) as results:
         assert single.scale(2) == 2
         health = _health(single)
         assert (health["status"], health["replicas"], health["configured"]) == ("ok", 2, 2)
@@ -55,10 +42,6 @@ def test_scale_under_load(single):
         assert out.returncode == 0, out.stderr
         assert "1 replica(s), 1 serving" in out.stdout
         time.sleep(1.0)  # requests keep going to the one left
-    finally:
-        done.set()
-        for w in workers:
-            w.join()
     assert busy[1] > 0, busy  # the new replica took part of the load
     failures = [r for _, r in results if isinstance(r, Exception)]
     assert not failures, failures[:3]
