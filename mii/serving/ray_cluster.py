@@ -35,6 +35,7 @@ INSTALL = "pip install 'mii[ray]'"
 
 
 def import_ray():
+    quiet_signals()
     try:
         import ray
     except ImportError:
@@ -56,6 +57,12 @@ def connect(address: Optional[str]):
     except ConnectionError as e:
         raise ValidationError("ray_address", f"cannot join the Ray cluster at {address!r}: {e}") from None
     return ray
+
+
+def quiet_signals() -> None:
+    """Ray's core installs a failure handler that prints a stack trace for every SIGTERM: the signal that stops a
+    deployment (and each of its replicas' actors) on purpose. Off in this process and the ones Ray starts from it."""
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 
 def node_label(ip: str, node_id: str) -> str:
@@ -239,6 +246,7 @@ def publish(ray, record: dict):
 def find_record(name: str) -> Optional[dict]:
     """The record of the deployment `name` running on the Ray cluster this host belongs to (None without Ray, a
     cluster, or such a deployment). Only tried when no deployment of that name runs on this host."""
+    quiet_signals()
     try:
         import ray
     except ImportError:
