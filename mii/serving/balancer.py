@@ -43,13 +43,17 @@ class Replica:
     index: int
     address: str
     process: Optional[Union["LocalReplica", "RayReplica"]] = None
-    node: str = "local"
     alive: bool = True
     retiring: bool = False
     """Being removed by a scale-down: no new requests; those in flight finish."""
     outstanding: int = 0
     channel: Optional[grpc.aio.Channel] = field(default=None, repr=False)
     stub: Optional[pb2_grpc.ModelResponseStub] = field(default=None, repr=False)
+
+    @property
+    def node(self) -> str:
+        """Where its process runs ("local", or a Ray node's address/id)."""
+        return self.process.node if self.process is not None else "local"
 
     def exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None

@@ -329,7 +329,7 @@ class Deployment:
         if info is None:
             return None
         self.served.plans[index] = {"pid": info["pid"], "plan": info.get("plan"), "node": handle.node}
-        return Replica(index, f"{connect_host(info.get('host', '127.0.0.1'))}:{info['port']}", handle, node=handle.node)
+        return Replica(index, f"{connect_host(info.get('host', '127.0.0.1'))}:{info['port']}", handle)
 
     async def _load_model_info(self) -> None:
         stats = await self.lb.stats()
