@@ -4,6 +4,7 @@
 // ops), so its output is identical; what it removes is the Python between them — module calls, dispatcher round
 // trips and views, about 0.15 ms a layer, 4-5 ms of a single-stream decode step of SmolLM2.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
@@ -28,7 +29,17 @@ namespace {
 
 constexpr int64_t kPerLayer = 14;  // parameters per layer (see decoder_stack_cpu)
 
-// x @ w.T + b, the way the layer's linear computes it: mii::linear_quant for a quantized weight (int4: uint8,
+// x @ w.T + b through oneDNN for a weight it prepacked (mii/layers/linear.py: prepack_cpu_bf16), the call the
+// layer's packed_linear makes
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                        c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// x @ w.T + b, the way the layer's linear computes it: oneDNN for a prepacked weight, mii::linear_quant for a quantized weight (int4: uint8,
 // int8: int8, both 3-D), mii::linear_bf16w for a bf16 weight under fp32 math (or a tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
 // under tensor parallelism): `bias_after` does the same, so the rounding is the eager one. `act8`: the int4
 // linears' inputs rounded to int8 (quantize_activations).
@@ -36,7 +47,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   const bool has_bias = b.defined() && b.numel() > 0;
   const c10::optional<at::Tensor> bias = has_bias && !bias_after ? c10::optional<at::Tensor>(b) : c10::nullopt;
   const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
-  at::Tensor y = quantized ? linear_quant_cpu(x, w, bias, act8)
+  at::Tensor y = w.is_mkldnn() ? packed_linear(x, w, bias)
+                 : quantized ? linear_quant_cpu(x, w, bias, act8)
                  : w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
                      ? linear_bf16w_cpu(x, w, bias)
                      : at::linear(x, w, bias);
@@ -93,3 +105,5 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
 }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("decoder_stack", &decoder_stack_cpu); }
+// (oneDNN-prepacked weights among the parameters make the dispatcher pick this key)
+TORCH_LIBRARY_IMPL(mii, MkldnnCPU, m) { m.impl("decoder_stack", &decoder_stack_cpu); }

@@ -133,8 +133,8 @@ class DecoderModel(nn.Module):
     def fuse_stack(self) -> bool:
         """Run every decoder layer in one `mii::decoder_stack` call (mii's CPU kernels, once the model runner
         has bound the KV cache and set the fused ops) when they are all pre-norm RMSNorm layers with fused qkv,
-        optional q/k RMSNorm, rotary, kernel attention and a gated SiLU MLP, unsharded and not prepacked for
-        oneDNN; the C++ loop runs the same kernels in the same order as the layers below. Returns whether it does."""
+        optional q/k RMSNorm, rotary, kernel attention and a gated SiLU MLP, unsharded (weights prepacked for
+        oneDNN are called as the layers call them); the C++ loop runs the same kernels in the same order as the layers below. Returns whether it does."""
         params, caches, windows = [], [], []
         none = torch.empty(0)
         for layer in self.layers:
@@ -146,7 +146,7 @@ class DecoderModel(nn.Module):
                     and attn.rotary is not None and attn.rotary.fused
                     and attn.attn.backend == "kernel" and attn.attn.k_cache is not None
                     and isinstance(mlp, MLP) and mlp.gated and mlp.fused and mlp.act is F.silu
-                    and all(m is not None and m.packed is None and getattr(m, "tp_size", 1) == 1 for m in linears)
+                    and all(m is not None and getattr(m, "tp_size", 1) == 1 for m in linears)
                     and all(isinstance(n, RMSNorm) and n.fused for n in qk_norms)
                     and {(n.eps, n.offset) for n in norms + qk_norms} == {(self.layers[0].input_layernorm.eps,
                                                                 self.layers[0].input_layernorm.offset)}):
@@ -155,7 +155,8 @@ class DecoderModel(nn.Module):
             for norm, linear in zip((layer.input_layernorm, None, layer.post_attention_layernorm, None), linears):
                 if norm is not None:
                     params.append(norm.weight)
-                params += [linear.weight, none if linear.bias is None else linear.bias]
+                params += [linear.weight if linear.packed is None else linear.packed,
+                           none if linear.bias is None else linear.bias]
             params += [attn.rotary.cos, attn.rotary.sin] + ([n.weight for n in qk_norms] if qk_norms else [none, none])
             caches += [attn.attn.k_cache, attn.attn.v_cache]
             windows.append(attn.attn.window or 0)

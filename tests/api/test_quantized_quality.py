@@ -43,7 +43,8 @@ for q in ("auto", "act8", "int8", "none"):
     answers = [r.generated_text for r in pipe(prompts, max_new_tokens=24, do_sample=False)]
     plan = pipe.engine_plan
     out[q] = {"nll": -sum(d["logprob"] for d in scored) / len(scored), "tokens": len(scored), "answers": answers,
-              "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization, "activations": plan.activations}
+              "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization, "activations": plan.activations,
+              "dtype": plan.dtype}
     pipe.destroy()
     del pipe
     gc.collect()
@@ -64,11 +65,13 @@ def test_what_each_run_holds(runs):
     """none: every weight in bf16 (fp32 math on CPUs without native bf16, else bf16); int8: the linears int8 per
     output channel; auto: the linears are the GGUF's Q4_1 blocks (int4 g32); with int8 and auto the tied
     embedding/LM head holds the file's Q8_0 blocks (int8 g32)."""
-    assert set(runs["none"]["weights"]) == {"bf16", "fp32"}, runs["none"]["weights"]
+    rest = {"float32": "fp32", "bfloat16": "bf16"}[runs["none"]["dtype"]]  # the norms: the compute dtype
+    assert all(r["dtype"] == runs["none"]["dtype"] for r in runs.values())
+    assert set(runs["none"]["weights"]) == {"bf16", rest}, runs["none"]["weights"]
     assert runs["int8"]["plan"] == "120 quantized to int8 per-channel, LM head from its Q8_0 blocks"
     assert runs["auto"]["plan"] == "120 from the GGUF's Q4_1 blocks, LM head from its Q8_0 blocks"
-    assert set(runs["int8"]["weights"]) == {"int8 per-channel", "int8 g32", "fp32"}, runs["int8"]["weights"]
-    assert set(runs["auto"]["weights"]) == {"int4 g32", "int8 g32", "fp32"}, runs["auto"]["weights"]
+    assert set(runs["int8"]["weights"]) == {"int8 per-channel", "int8 g32", rest}, runs["int8"]["weights"]
+    assert set(runs["auto"]["weights"]) == {"int4 g32", "int8 g32", rest}, runs["auto"]["weights"]
     assert runs["act8"]["weights"] == runs["auto"]["weights"] and runs["act8"]["plan"] == runs["auto"]["plan"]
     assert runs["act8"]["activations"] == "int8 per 32 columns in the 120 int4 linears"
     assert runs["auto"]["activations"] == ""

@@ -1,6 +1,7 @@
 """mii::decoder_stack (all pre-norm decoder layers of a step in one C++ call) against the layers' own forward on
 the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
-variant it covers (Llama with a tied, tiled bf16 LM head; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
+variant it covers (Llama with a tied, tiled bf16 LM head, or on CPUs with native bf16 its weights prepacked for
+oneDNN; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
 sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations); and the architectures it does not cover keep the layers."""
 import pytest
 import torch

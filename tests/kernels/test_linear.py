@@ -61,6 +61,25 @@ def test_bf16_activations_and_leading_dims():
     assert torch.ops.mii.linear_bf16w(x[:0], w, None).shape == (0, 3, 40)
 
 
+@pytest.mark.parametrize("m", [1, 5, 33, 70, 300])
+def test_bf16_activations_every_row_count(m):
+    """bf16 x, tiled and row-major weights, with a bias: decode rows (the streaming kernel) and prompt chunks
+    (blocks of the weight widened to fp32 for ATen's GEMM), fp32 math both, each within one bf16 rounding of the
+    exact product, and a row's result the same whatever rows share its call (up to fp32 summation order: a bf16
+    ulp at most)."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 392, 576
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    ref = _reference(x, w, b)
+    for weight in (w, tile_bf16w(w)):
+        out = torch.ops.mii.linear_bf16w(x, weight, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
+        alone = torch.cat([torch.ops.mii.linear_bf16w(x[i:i + 1], weight, b) for i in range(0, m, max(1, m // 4))])
+        torch.testing.assert_close(alone.double(), out[::max(1, m // 4)].double(), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+
+
 def _bf16_values(model):
     for name, p in model.named_parameters():
         if name.endswith("bias"):  # (Phi-2's biases start at 0: make them matter)
