@@ -55,7 +55,8 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
         tp_group = started = start(model_config.model_copy(update={"num_threads": plan.num_threads}), plan.device)
     try:
         loaded = load_model(source, plan.torch_dtype, torch.device(plan.device), model_config.tokenizer,
-                            bf16_weights=plan.linear_backend == "kernel", quantization=quant)
+                            bf16_weights=plan.linear_backend == "kernel", bf16_kpairs=plan.bf16_kpairs,
+                            quantization=quant)
         plan.weight_bytes = loaded.weight_bytes
         if model_config.quantize_activations:
             n = use_int8_activations(loaded.model)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii.layers.linear import check_shape, packed_linear, tiled_rows
+from mii.layers.linear import bf16w_rows, check_shape, packed_linear, tiled_rows
 from mii.layers.quant import dequantize_rows, out_features, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
             y = self._rows(ids)
         else:
             w = self.weight
-            rows = out_features(w) if scheme(w) else w.shape[0] * (8 if w.dim() == 3 else 1)
+            rows = out_features(w) if scheme(w) else bf16w_rows(w)
             local = ids - self.start
             inside = (local >= 0) & (local < rows)
             y = self._rows(local.clamp(0, max(rows - 1, 0))) * inside.unsqueeze(-1)

@@ -66,20 +66,38 @@ def tile_bf16w(w: torch.Tensor) -> torch.Tensor:
     return w.view(n // 8, 4, 2, k // 8, 8).permute(0, 3, 1, 4, 2).contiguous().view(n // 8, k // 8, 64)
 
 
+def tile_bf16_kpairs(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] → the layout `mii::linear_bf16w` multiplies with native bf16 dot products (`vdpbf16ps`):
+    [N/16, K/2, 32], tile j of a 16-row group holding columns 2j and 2j+1 of its rows (element r*2 + s is row r,
+    column 2j + s). N must be a multiple of 16 and K even."""
+    n, k = w.shape
+    return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n // 16, k // 2, 32)
+
+
+def bf16w_rows(w: torch.Tensor) -> int:
+    """Output rows of a weight `mii::linear_bf16w` reads: row-major, tiled or k-pair tiled."""
+    return w.shape[0] * (1 if w.dim() == 2 else 16 if w.shape[-1] == 32 else 8)
+
+
 def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a tiled weight, row-major ([*ids.shape, K]): the embedding lookup of a tied LM head."""
+    """Rows `ids` of a tiled weight (either layout), row-major ([*ids.shape, K]): the embedding lookup of a tied
+    LM head."""
+    if tiles.shape[-1] == 32:  # k-pair tiles
+        return tiles.view(tiles.shape[0], tiles.shape[1], 16, 2)[ids // 16, :, ids % 16].reshape(
+            *ids.shape, tiles.shape[1] * 2)
     t = tiles.view(tiles.shape[0], tiles.shape[1], 4, 8, 2)
     r = ids % 8
     return t[ids // 8, :, r // 2, :, r % 2].reshape(*ids.shape, tiles.shape[1] * 8)
 
 
-def store_weights_bf16(model: nn.Module) -> int:
+def store_weights_bf16(model: nn.Module, kpairs: bool = False) -> int:
     """Keep the weights of every linear, the LM head and the embedding in bf16 (half the bytes a decode step
     streams) while the rest of the model computes in its own dtype: their matmuls go through
     `mii::linear_bf16w` (bf16 weights widened to fp32 in registers), the embedding casts the rows it returns.
     A weight a matmul reads whose sides are multiples of 8 is stored tiled (`tile_bf16w`; an embedding tied to
-    it reads its rows from the tiles). For CPUs without native bf16 matmul, where the mii CPU kernels are built.
-    Returns how many weights."""
+    it reads its rows from the tiles). With `kpairs` (CPUs with native bf16 dot products, activations in bf16)
+    the tiles are `tile_bf16_kpairs`'s, for weights with rows a multiple of 16 and an even width. Where the mii
+    CPU kernels are built. Returns how many weights."""
     weights, matmul = {}, set()
     for m in model.modules():
         w = getattr(m, "weight", None)
@@ -93,7 +111,9 @@ def store_weights_bf16(model: nn.Module) -> int:
         weights[id(w)] = w
     for w in weights.values():
         w.data = w.data.to(torch.bfloat16)
-        if id(w) in matmul and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0:
+        if id(w) in matmul and kpairs and w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0:
+            w.data = tile_bf16_kpairs(w.data)
+        elif id(w) in matmul and not kpairs and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0:
             w.data = tile_bf16w(w.data)
     return len(weights)
 

@@ -68,10 +68,10 @@ def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                tokenizer: Optional[str] = None, prepack: bool = True, bf16_weights: bool = False,
-               quantization: Optional[quantize.QuantSpec] = None) -> LoadedModel:
+               quantization: Optional[quantize.QuantSpec] = None, bf16_kpairs: bool = False) -> LoadedModel:
     """Build the model in `dtype` on `device` and load its weights. With `bf16_weights`, the linear, LM head and
     embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
-    of being prepacked for oneDNN. With an active `quantization`, each linear's weight is packed as int8/int4 as
+    of being prepacked for oneDNN (`bf16_kpairs`: in the layout for native bf16 dot products). With an active `quantization`, each linear's weight is packed as int8/int4 as
     soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`."""
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     hf = read_hf_config(folder / "config.json")
@@ -87,7 +87,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     if quantizer:
         quantize.check_model(model, quantization)
     if bf16_weights:
-        store_weights_bf16(model)
+        store_weights_bf16(model, kpairs=bf16_kpairs)
     packed = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
     quantize.release_freed_memory()  # the float copies quantization or a bf16 re-layout replaced
     tok = load_tokenizer(folder, tokenizer)

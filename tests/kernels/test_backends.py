@@ -7,6 +7,7 @@ from transformers import LlamaConfig, MistralConfig
 
 import mii
 from mii import kernels
+from mii.engine import plan as plan_module
 from tests.reference import TINY, assert_matches_transformers, prompts_for, tiny_checkpoint
 
 VOCAB = 49152
@@ -31,16 +32,25 @@ def test_both_backends_match_transformers(tmp_path, tokenizer_dir, monkeypatch, 
     assert_matches_transformers(tiny_checkpoint(cfg, tmp_path, tokenizer_dir))
 
 
-def test_bf16_kernels_close_to_bf16_torch(tmp_path, tokenizer_dir, monkeypatch):
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bf16_kernels_close_to_bf16_torch(tmp_path, tokenizer_dir, monkeypatch, native_bf16):
     """bf16 changes rounding order between the backends, so tokens may part after a near tie; until they do,
-    each step's token must be in the other side's top 5 (vLLM's check_logprobs_close)."""
+    each step's token must be in the other side's top 5 (vLLM's check_logprobs_close). The kernels' linears as
+    planned for a CPU without native bf16 (weights widened to fp32) and with it (k-pair tiles, `vdpbf16ps`; on
+    a CPU without it their portable loop): both layouts on any machine."""
     if kernels.load_cpu_kernels() is not None:
         pytest.skip(f"CPU kernels not built: {kernels.load_cpu_kernels()}")
     path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path, tokenizer_dir)
     prompts = prompts_for(VOCAB, lengths=(5, 37, 90, 12))
     outs = {}
     for use_kernels in (False, True):
+        if use_kernels:
+            monkeypatch.setattr(plan_module, "cpu_has_fast_bf16", lambda: native_bf16)
         pipe = _pipe(path, monkeypatch, use_kernels, dtype="bfloat16")
+        if use_kernels:
+            qkv = pipe.engine.loaded.model.model.layers[0].self_attn.qkv_proj.weight
+            assert pipe.engine_plan.linear_backend == "kernel" and pipe.engine_plan.bf16_kpairs == native_bf16
+            assert qkv.dim() == 3 and qkv.shape[-1] == (32 if native_bf16 else 64)
         outs[use_kernels] = pipe(prompts, max_new_tokens=24, do_sample=False, ignore_eos=True, logprobs=5)
         pipe.destroy()
     for ref, ours in zip(outs[False], outs[True]):

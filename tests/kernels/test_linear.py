@@ -8,7 +8,7 @@ import mii
 from mii import kernels
 from mii.errors import ValidationError
 from mii.engine import plan as plan_module
-from mii.layers.linear import tile_bf16w, tiled_rows
+from mii.layers.linear import tile_bf16_kpairs, tile_bf16w, tiled_rows
 from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
@@ -78,6 +78,39 @@ def test_bf16_activations_every_row_count(m):
         torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
         alone = torch.cat([torch.ops.mii.linear_bf16w(x[i:i + 1], weight, b) for i in range(0, m, max(1, m // 4))])
         torch.testing.assert_close(alone.double(), out[::max(1, m // 4)].double(), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+
+
+def test_kpair_layout_and_its_rows():
+    """k-pair tiles (CPUs with native bf16 dot products): tile j of a 16-row group holds columns 2j, 2j+1 of its
+    rows, every element once; a tied embedding reads its rows back exactly."""
+    w = torch.arange(32 * 6, dtype=torch.float32).view(32, 6).bfloat16()
+    t = tile_bf16_kpairs(w)
+    assert t.shape == (2, 3, 32)
+    # group 1, tile 2: element r*2 + s is row 16 + r, column 4 + s
+    assert t[1, 2, 5 * 2 + 1] == w[16 + 5, 5] and t[0, 0, 15 * 2] == w[15, 0]
+    assert sorted(t.float().flatten().tolist()) == sorted(w.float().flatten().tolist())
+    ids = torch.tensor([[0, 31, 17], [16, 9, 15]])
+    assert torch.equal(tiled_rows(t, ids), w[ids])
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 33, 130])
+@pytest.mark.parametrize("n,k", [(64, 32), (80, 34), (48, 576), (320, 1536)])
+def test_kpair_tiles_match_float64(m, n, k):
+    """bf16 x against k-pair tiles (`vdpbf16ps` where the CPU has it, else the portable loop): within fp32
+    summation error of the exact product for every row count (the rows of x four at a time, and the tails) and
+    for widths of 1-5 groups of 16 rows (four a step, and the rest), with and without a bias; a row's result
+    does not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    t = tile_bf16_kpairs(w)
+    for bias in (None, b):
+        out = torch.ops.mii.linear_bf16w(x.float(), t, bias if bias is None else bias.float())  # fp32 out
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        torch.testing.assert_close(out.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
+        y = torch.ops.mii.linear_bf16w(x, t, bias)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, out.to(torch.bfloat16))
+    assert torch.equal(torch.ops.mii.linear_bf16w(x[-1:].float(), t, None), torch.ops.mii.linear_bf16w(x.float(), t, None)[-1:])
 
 
 def _bf16_values(model):
