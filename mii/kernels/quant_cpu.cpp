@@ -359,11 +359,35 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 }
 #endif  // MII_QAVX2
 
+#ifdef MII_QBF16
+// Where bf16 GEMM is native, x in bf16 (the plan's dtype): blocks dequantized to fp32 as above, rounded once to
+// bf16, multiplied by oneDNN's bf16 GEMM (about twice ATen's fp32 rate there). y: bf16 [M, N].
+void blocked_gemm_bf16(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
+  const int64_t threads = at::get_num_threads(), K = L.K();
+  const int64_t blocks = ((L.pairs + kGemmPairs - 1) / kGemmPairs + threads - 1) / threads * threads;
+  const int64_t pairs = (L.pairs + blocks - 1) / blocks;
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    c10::InferenceMode guard(inference);
+    std::vector<float> buf(2 * pairs * K);
+    std::vector<uint16_t> half(2 * pairs * K);
+    auto wt = at::from_blob(half.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t p0 = blk * pairs, np = std::min(pairs, L.pairs - p0);
+      if (np <= 0) continue;
+      dequant_pairs(w, L, p0, np, buf.data());
+      for (int64_t i = 0; i < 2 * np * K; i += 8)  // K is a multiple of 32
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(half.data() + i),
+                         (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(buf.data() + i)));
+      auto out = y.narrow(1, 2 * p0, 2 * np);
+      at::mm_out(out, x, wt.narrow(0, 0, 2 * np).t());
+    }
+  });
+}
+#endif
+
 // Blocks of kGemmPairs row pairs in parallel: dequantize into a per-task buffer, then y[:, block] = x @ block.T.
-// x and y fp32 (ATen's fp32 GEMM), or, where bf16 GEMM is native and x is bf16 (the plan's dtype), both bf16: the
-// block rounded once more to bf16 for oneDNN's bf16 GEMM, about twice ATen's fp32 rate there.
 void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t threads = at::get_num_threads(), K = L.K();
   const int64_t blocks = ((L.pairs + kGemmPairs - 1) / kGemmPairs + threads - 1) / threads * threads;
   const int64_t pairs = (L.pairs + blocks - 1) / blocks;
@@ -371,18 +395,11 @@ void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Te
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
     c10::InferenceMode guard(inference);
     std::vector<float> buf(2 * pairs * K);
-    std::vector<uint16_t> half(bf16 ? 2 * pairs * K : 0);
-    auto wt = bf16 ? at::from_blob(half.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kBFloat16))
-                   : at::from_blob(buf.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kFloat));
+    auto wt = at::from_blob(buf.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kFloat));
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t p0 = blk * pairs, np = std::min(pairs, L.pairs - p0);
       if (np <= 0) continue;
       dequant_pairs(w, L, p0, np, buf.data());
-#ifdef MII_QBF16
-      for (int64_t i = 0; bf16 && i < 2 * np * K; i += 8)  // K is a multiple of 32
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(half.data() + i),
-                         (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(buf.data() + i)));
-#endif
       auto out = y.narrow(1, 2 * p0, 2 * np);
       at::mm_out(out, x, wt.narrow(0, 0, 2 * np).t());
     }
@@ -402,7 +419,7 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   if (x.scalar_type() == at::kBFloat16 && !act8 && x.numel() > kGemvRows * K) {
     const at::Tensor xb = x.reshape({-1, K}).contiguous();
     auto y = at::empty({xb.size(0), N}, xb.options());
-    blocked_gemm(xb, wp, L, y);
+    blocked_gemm_bf16(xb, wp, L, y);
     if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kBFloat16));
     auto sizes = x.sizes().vec();
     sizes.back() = N;
