@@ -37,9 +37,6 @@
 #include <immintrin.h>
 #define MII_QAVX2 1
 #endif
-#if defined(MII_QAVX2) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-#define MII_QBF16 1  // native bf16: prompt chunks dequantize to bf16 for oneDNN's bf16 GEMM (built with -march=native)
-#endif
 
 // linear_cpu.cpp's: x as the kernels read it, and y with bias in x's dtype and shape
 at::Tensor linear_input(const at::Tensor& x, int64_t K);
@@ -359,33 +356,6 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 }
 #endif  // MII_QAVX2
 
-#ifdef MII_QBF16
-// Where bf16 GEMM is native, x in bf16 (the plan's dtype): blocks dequantized to fp32 as above, rounded once to
-// bf16, multiplied by oneDNN's bf16 GEMM (about twice ATen's fp32 rate there). y: bf16 [M, N].
-void blocked_gemm_bf16(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
-  const int64_t threads = at::get_num_threads(), K = L.K();
-  const int64_t blocks = ((L.pairs + kGemmPairs - 1) / kGemmPairs + threads - 1) / threads * threads;
-  const int64_t pairs = (L.pairs + blocks - 1) / blocks;
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    c10::InferenceMode guard(inference);
-    std::vector<float> buf(2 * pairs * K);
-    std::vector<uint16_t> half(2 * pairs * K);
-    auto wt = at::from_blob(half.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kBFloat16));
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t p0 = blk * pairs, np = std::min(pairs, L.pairs - p0);
-      if (np <= 0) continue;
-      dequant_pairs(w, L, p0, np, buf.data());
-      for (int64_t i = 0; i < 2 * np * K; i += 8)  // K is a multiple of 32
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(half.data() + i),
-                         (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(buf.data() + i)));
-      auto out = y.narrow(1, 2 * p0, 2 * np);
-      at::mm_out(out, x, wt.narrow(0, 0, 2 * np).t());
-    }
-  });
-}
-#endif
-
 // Blocks of kGemmPairs row pairs in parallel: dequantize into a per-task buffer, then y[:, block] = x @ block.T.
 void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
   const int64_t threads = at::get_num_threads(), K = L.K();
@@ -413,21 +383,10 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const Layout L = layout_of(weight);
   const int64_t N = L.N(), K = L.K();
   TORCH_CHECK(x.size(-1) == K, "linear_quant: x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
-  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-#ifdef MII_QBF16
-  if (x.scalar_type() == at::kBFloat16 && !act8 && x.numel() > kGemvRows * K) {
-    const at::Tensor xb = x.reshape({-1, K}).contiguous();
-    auto y = at::empty({xb.size(0), N}, xb.options());
-    blocked_gemm_bf16(xb, wp, L, y);
-    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kBFloat16));
-    auto sizes = x.sizes().vec();
-    sizes.back() = N;
-    return y.view(sizes);
-  }
-#endif
   const at::Tensor xf = linear_input(x, K);
   const int64_t M = xf.size(0);
+  const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
 #ifdef MII_QAVX2

@@ -51,19 +51,15 @@ def test_matches_dequantized_matmul(n, k, scheme, group):
 
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_bf16_activations(m):
-    """Where the plan computes in bf16 the linear takes and returns bf16: fp32 math for decode rows; for more rows
-    on CPUs with native bf16 matmul, blocks of the weight dequantized to bf16 for oneDNN's bf16 GEMM (else to
-    fp32): within bf16 rounding of the exact product either way, with and without a bias."""
+    """Where the plan computes in bf16 the linear takes and returns bf16 (fp32 math inside)."""
     kernels.load_cpu_kernels()
     g = torch.Generator().manual_seed(m)
     for n, k, scheme, group in CASES[:5]:
         w = _weight(n, k, scheme, group, g)
         x = torch.randn(m, k, generator=g).bfloat16()
-        b = torch.randn(n, generator=g).bfloat16()
-        for bias in (None, b):
-            out = quant_linear(x, w, bias)
-            assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-            _check(out, x, w, bias, 2 ** -7)
+        out = quant_linear(x, w, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        _check(out, x, w, None, 2 ** -7)
 
 
 def test_full_int4_range_and_extreme_scales():
