@@ -83,8 +83,9 @@ def _(x, positions, params, caches, slot_mapping, query_start, seq_lens, block_t
 
 @torch.library.register_fake("mii::linear_bf16w")
 def _(x, weight, bias):  # weight [N, K], tiled [N/8, K/8, 64] or k-pair tiled [N/16, K/2, 32]
-    rows = 1 if weight.dim() == 2 else 16 if weight.shape[-1] == 32 else 8
-    return x.new_empty(*x.shape[:-1], weight.shape[0] * rows)
+    from mii.layers.linear import bf16w_rows
+
+    return x.new_empty(*x.shape[:-1], bf16w_rows(weight))
 
 
 @torch.library.register_fake("mii::sample_race")

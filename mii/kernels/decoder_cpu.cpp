@@ -39,8 +39,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// x @ w.T + b, the way the layer's linear computes it: oneDNN for a prepacked weight, mii::linear_quant for a quantized weight (int4: uint8,
-// int8: int8, both 3-D), mii::linear_bf16w for a bf16 weight under fp32 math (or a tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
+// x @ w.T + b, the way the layer's linear computes it: oneDNN for a prepacked weight, mii::linear_quant for a
+// quantized weight (int4: uint8, int8: int8, both 3-D), mii::linear_bf16w for a bf16 weight under fp32 math (or a
+// tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
 // under tensor parallelism): `bias_after` does the same, so the rounding is the eager one. `act8`: the int4
 // linears' inputs rounded to int8 (quantize_activations).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool act8, bool bias_after = false) {

@@ -384,7 +384,8 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
     const int64_t N = weight.size(0) * 16, K = weight.size(1) * 2;
     TORCH_CHECK(x.size(-1) == K, "linear_bf16w: x has ", x.size(-1), " features, the weight ", K);
     const at::Tensor x2 = x.reshape({-1, K});
-    const at::Tensor xb = x2.scalar_type() == at::kBFloat16 && x2.is_contiguous() ? x2 : x2.to(at::kBFloat16).contiguous();
+    const at::Tensor xb =
+        x2.scalar_type() == at::kBFloat16 && x2.is_contiguous() ? x2 : x2.to(at::kBFloat16).contiguous();
     const at::Tensor w = weight.contiguous();
     auto y = at::empty({xb.size(0), N}, xb.options().dtype(at::kFloat));
     if (xb.size(0) > 0 && N > 0)

@@ -71,8 +71,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                quantization: Optional[quantize.QuantSpec] = None, bf16_kpairs: bool = False) -> LoadedModel:
     """Build the model in `dtype` on `device` and load its weights. With `bf16_weights`, the linear, LM head and
     embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
-    of being prepacked for oneDNN (`bf16_kpairs`: in the layout for native bf16 dot products). With an active `quantization`, each linear's weight is packed as int8/int4 as
-    soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`."""
+    of being prepacked for oneDNN (`bf16_kpairs`: in the layout for native bf16 dot products). With an active
+    `quantization`, each linear's weight is packed as int8/int4 as soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`."""
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)

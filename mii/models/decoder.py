@@ -134,7 +134,8 @@ class DecoderModel(nn.Module):
         """Run every decoder layer in one `mii::decoder_stack` call (mii's CPU kernels, once the model runner
         has bound the KV cache and set the fused ops) when they are all pre-norm RMSNorm layers with fused qkv,
         optional q/k RMSNorm, rotary, kernel attention and a gated SiLU MLP, unsharded (weights prepacked for
-        oneDNN are called as the layers call them); the C++ loop runs the same kernels in the same order as the layers below. Returns whether it does."""
+        oneDNN are called as the layers call them); the C++ loop runs the same kernels in the same order as the
+        layers below. Returns whether it does."""
         params, caches, windows = [], [], []
         none = torch.empty(0)
         for layer in self.layers:

@@ -110,7 +110,8 @@ def test_kpair_tiles_match_float64(m, n, k):
         torch.testing.assert_close(out.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
         y = torch.ops.mii.linear_bf16w(x, t, bias)
         assert y.dtype == torch.bfloat16 and torch.equal(y, out.to(torch.bfloat16))
-    assert torch.equal(torch.ops.mii.linear_bf16w(x[-1:].float(), t, None), torch.ops.mii.linear_bf16w(x.float(), t, None)[-1:])
+    last = torch.ops.mii.linear_bf16w(x[-1:].float(), t, None)
+    assert torch.equal(last, torch.ops.mii.linear_bf16w(x.float(), t, None)[-1:])
 
 
 def _bf16_values(model):
