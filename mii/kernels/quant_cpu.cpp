@@ -14,9 +14,12 @@
 //   32 signed bytes in one instruction (x's columns 0-15 and 16-31 each repeated twice). Faster, but an error up
 //   to 1/254 of the chunk's largest |x|: results are close, no longer exact, and a row's result can move with
 //   fp32-level differences upstream (its batch), where 16-bit rounding keeps them below bf16's precision.
-// - More rows (prompt chunks, big batches): each task dequantizes a block of rows into an fp32 buffer that stays
-//   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first, so that a row's result does
-//   not depend on how many rows share its step beyond fp32 summation order (batch invariance, prefix caching).
+// - More rows (prompt chunks, big batches), on CPUs with AVX-512 (VNNI and VBMI): 16-row tiles of the weights'
+//   integers unpacked into L2, one `vdpbf16ps` (bf16 x) or `vpdpwssd` (x rounded as above) a 16-row pair of
+//   columns: see vnni_gemm below. Elsewhere each task dequantizes a block of rows into an fp32 buffer that stays
+//   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first. Either way a row's result does
+//   not depend on how many rows share its step beyond fp32 summation order and, for bf16 x, the int16 rounding of
+//   decode rows (batch invariance, prefix caching: differences far below the bf16 result's own rounding).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -36,6 +39,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MII_QAVX2 1
+#endif
+#if defined(MII_QAVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define MII_QVNNI 1  // vpdpwssd: 32 int16 multiply-adds into 16 int32 sums an instruction
+#endif
+#if defined(MII_QVNNI) && defined(__AVX512BF16__)
+#define MII_QBF16 1  // vdpbf16ps: 32 bf16 multiply-adds into 16 fp32 sums an instruction
 #endif
 
 // linear_cpu.cpp's: x as the kernels read it, and y with bias in x's dtype and shape
@@ -356,6 +365,323 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 }
 #endif  // MII_QAVX2
 
+#ifdef MII_QVNNI
+// --- more rows on CPUs with AVX-512: GEMM on unpacked 16-row tiles, exact per chunk --------------------------------
+// Each task unpacks up to kVnniTiles tiles of 16 weight rows into L2. Word pair (chunk c, b) of a tile holds, for
+// each of its 16 rows, the integer weights 32c + b and 32c + b + 16 (the two nibbles of an int4 byte), so that one
+// instruction multiplies all 16 rows by x's pair of those columns (broadcast), each row into its own lane:
+// - bf16 x (CPUs with AVX512-BF16, where the plan computes in bf16): the integers as bf16, which holds them exactly,
+//   and `vdpbf16ps`: bf16 products are exact in fp32, so a group's sum is x times the weights' integers up to fp32
+//   summation, scaled once by the group's weight scale; int4's offsets add m * sum(x) per group. No rounding of
+//   the weights or of x: the values the file holds, times x.
+// - fp32 x, or `act8`: x rounded per chunk to int16 (or int8) as the decode path rounds it, the integers as int16,
+//   and `vpdpwssd`: a chunk's sums are exact int32, scaled once (x's scale times the weight scale), the decode
+//   path's arithmetic up to fp32 summation order.
+// Measured on a Zen 4 EPYC, SmolLM2's shapes at 33-256 rows: vpdpwssd runs at about half vdpbf16ps's rate.
+constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128 bytes)
+constexpr int kRowsX = 4, kTilesX = 4;  // a block: 4 rows of x by 4 tiles, 16 accumulators in registers
+
+// GCC 12 copies the accumulator around every _mm512_dpwssd_epi32 (its pattern does not tie it to the output),
+// which halves the rate: the instructions are spelled out, with the accumulator tied
+inline void dot(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
+#ifdef MII_QBF16
+inline void dot(__m512& acc, __m512i w, __m512i x) { __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
+#endif
+
+// x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16
+struct XPairs {
+  bool bf16;                 // pairs of bf16 (x exact); otherwise of int16, rounded per chunk
+  std::vector<int32_t> q;    // [M, K/2]
+  std::vector<float> scale;  // [M, chunks]: int16 only
+  std::vector<float> gsum;   // [M, groups]: the sum of x (as multiplied) over each weight group, for int4's offsets
+  int64_t chunks, groups;
+
+  static int32_t pair(uint16_t lo, uint16_t hi) {
+    return static_cast<int32_t>(static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16));
+  }
+
+  XPairs(const at::Tensor& x, int64_t G, bool act8) : bf16(x.scalar_type() == at::kBFloat16 && !act8) {
+    const int64_t M = x.size(0), K = x.size(1), cpg = G / 32;
+    chunks = K / 32, groups = K / G;
+    q.resize(M * K / 2);
+    gsum.assign(M * groups, 0.f);
+    if (!bf16) scale.resize(M * chunks);
+    const at::Tensor xf = bf16 ? x : x.to(at::kFloat).contiguous();
+    at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) {
+        int32_t* out = &q[m * (K / 2)];
+        for (int64_t c = 0; c < chunks; ++c, out += 16) {
+          float sum;
+          if (bf16) {
+            const uint16_t* xc = reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()) + m * K + c * 32;
+            sum = 0.f;
+            for (int k = 0; k < 32; ++k) sum += static_cast<float>(c10::BFloat16(xc[k], c10::BFloat16::from_bits()));
+            for (int k = 0; k < 16; ++k) out[k] = pair(xc[k], xc[k + 16]);
+          } else {
+            const float* xc = xf.data_ptr<float>() + m * K + c * 32;
+            int16_t v[32];
+            float s;
+            if (act8) {
+              int8_t v8[32];
+              s = round_chunk(xc, v8);
+              for (int k = 0; k < 32; ++k) v[k] = v8[k];
+            } else {
+              s = round_chunk(xc, v);
+            }
+            int32_t vsum = 0;  // exact
+            for (int k = 0; k < 32; ++k) vsum += v[k];
+            sum = static_cast<float>(vsum) * s;
+            for (int k = 0; k < 16; ++k) out[k] = pair(static_cast<uint16_t>(v[k]), static_cast<uint16_t>(v[k + 16]));
+            scale[m * chunks + c] = s;
+          }
+          gsum[m * groups + c / cpg] += sum;
+        }
+      }
+    });
+  }
+};
+
+// byte permutations for int4 chunks (vpermt2b indexes): see unpack_int4
+struct Int4Perm {
+  alignas(64) uint8_t a[2][64], o[2][64], p[4][64];
+  Int4Perm() {
+    for (int h = 0; h < 2; ++h)
+      for (int e = 0; e < 64; ++e) {
+        const int b = e / 8, n = e % 8;  // 4 rows a register -> 8 rows, 8 columns (b + 8h) a register
+        a[h][e] = static_cast<uint8_t>((n < 4 ? 0 : 64) + (n % 4) * 16 + b + 8 * h);
+        const int bb = e / 16, r = e % 16;  // -> 16 rows, 4 columns (bb + 4h of the 8) a register
+        o[h][e] = static_cast<uint8_t>((r < 8 ? 0 : 64) + (bb + 4 * h) * 8 + r % 8);
+      }
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 64; ++e)  // lane n: [low nibble of row n, 0, high nibble, 0]
+        p[j][e] = static_cast<uint8_t>(e % 4 == 0 ? j * 16 + e / 4 : e % 4 == 2 ? 64 + j * 16 + e / 4 : 0);
+  }
+};
+
+// one int4 chunk of 16 rows (8 pairs: 32 bytes each, row a then row b, byte b = column b in the low nibble and
+// column b + 16 in the high; nullptr: zero rows) -> out[b], lane n = row n's weights b (low 16 bits) and b + 16
+// (high), as int16 or bf16. A byte transpose in two rounds of `vpermt2b`, then each column's pair of nibbles.
+inline void unpack_int4(const uint8_t* const* src, bool bf16, __m512i* out) {
+  static const Int4Perm P;
+  auto ld = [](const uint8_t* q) {
+    return q ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)) : _mm256_setzero_si256();
+  };
+  __m512i z[4], a[4], o[4];
+  for (int i = 0; i < 4; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(ld(src[2 * i])), ld(src[2 * i + 1]), 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ia = _mm512_load_si512(P.a[h]);
+    a[h] = _mm512_permutex2var_epi8(z[0], ia, z[1]);      // rows 0-7, columns 8h .. 8h+7
+    a[2 + h] = _mm512_permutex2var_epi8(z[2], ia, z[3]);  // rows 8-15
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m512i io = _mm512_load_si512(P.o[h]);
+    o[h] = _mm512_permutex2var_epi8(a[0], io, a[2]);      // columns 4h .. 4h+3, rows 0-15
+    o[2 + h] = _mm512_permutex2var_epi8(a[1], io, a[3]);  // columns 8 + 4h ..
+  }
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                         0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+                                         0x4040, 0x4000, 0x3F80, 0);  // bf16 of 0 .. 15
+  for (int q = 0; q < 4; ++q) {
+    const __m512i lo = _mm512_and_si512(o[q], low4), hi = _mm512_and_si512(_mm512_srli_epi16(o[q], 4), low4);
+    for (int j = 0; j < 4; ++j) {
+      __m512i v = _mm512_maskz_permutex2var_epi8(0x5555555555555555ULL, lo, _mm512_load_si512(P.p[j]), hi);
+      if (bf16) v = _mm512_permutexvar_epi16(v, table);
+      _mm512_store_si512(out + 4 * q + j, v);
+    }
+  }
+}
+
+// one int8 row's chunk (32 bytes) as 16 lanes, lane b = weights b (low 16 bits) and b + 16 (high), int16 or bf16
+inline __m512i int8_lanes(const uint8_t* src, bool bf16) {
+  const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+  if (!bf16) return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
+  // an int8 is exact in bf16: its fp32 bits' upper half
+  const __m512i flo = _mm512_castps_si512(_mm512_cvtepi32_ps(lo)), fhi = _mm512_castps_si512(_mm512_cvtepi32_ps(hi));
+  return _mm512_or_si512(_mm512_srli_epi32(flo, 16), _mm512_and_si512(fhi, _mm512_set1_epi32(int32_t(0xFFFF0000))));
+}
+
+// r[n] lane b -> out[b] lane n (a 16 x 16 transpose of 32-bit elements)
+inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: element 4L + j of rows 4i .. 4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    _mm512_store_si512(out + j, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_store_si512(out + 8 + j, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_store_si512(out + 4 + j, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_store_si512(out + 12 + j, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
+}
+
+// unpacked tiles: tile t's pair (chunk, b) at data[t * stride + chunk * 16 + b]; its rows' weight scales and
+// offsets (fp32, 0 past the last row) at sw / mw[t * sstride + group * 16 + row]
+struct Tiles {
+  __m512i* data;
+  float *sw, *mw;
+  int64_t stride, sstride;
+};
+
+// the 16 rows of pairs p0 .. p0+7 (those past L.pairs are zero) -> tile t
+void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const Tiles& T, int64_t t) {
+  const int64_t pair_bytes = L.groups * L.block, cpg = L.G / 32, np = std::min<int64_t>(8, L.pairs - p0);
+  __m512i* tile = T.data + t * T.stride;
+  for (int64_t g = 0; g < L.groups; ++g) {
+    const uint8_t* blk[8];
+    for (int p = 0; p < 8; ++p) blk[p] = p < np ? w + (p0 + p) * pair_bytes + g * L.block : nullptr;
+    float* sw = T.sw + t * T.sstride + g * 16;
+    float* mw = T.mw + t * T.sstride + g * 16;
+    for (int n = 0; n < 16; ++n) {
+      const uint8_t* b = blk[n / 2];
+      sw[n] = b ? half_to_float(b + 2 * (n % 2)) : 0.f;
+      mw[n] = b && L.int4 ? half_to_float(b + 4 + 2 * (n % 2)) : 0.f;
+    }
+    for (int64_t c = 0; c < cpg; ++c) {
+      __m512i* out = tile + (g * cpg + c) * 16;
+      if (L.int4) {
+        const uint8_t* src[8];
+        for (int p = 0; p < 8; ++p) src[p] = blk[p] ? blk[p] + 8 + c * 32 : nullptr;
+        unpack_int4(src, bf16, out);
+        continue;
+      }
+      __m512i r[16];
+      for (int n = 0; n < 16; ++n) {
+        const uint8_t* b = blk[n / 2];
+        r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, bf16) : _mm512_setzero_si512();
+      }
+      transpose16(r, out);
+    }
+  }
+}
+
+// rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1, into y's columns from 16 * t0 + n0. The fp32 sums live in
+// memory (L1), updated once a chunk (int16) or group (bf16): the registers hold the weights and the running sums
+// of the chunk or group. Acc: __m512i (int16 x) or __m512 (bf16 x).
+template <typename Acc, int MR, int NT>
+__attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
+                       int64_t N, int64_t n0) {
+  constexpr bool kBf16 = std::is_same_v<Acc, __m512>;
+  const int64_t cpg = L.G / 32;
+  const int32_t* xq[MR];
+  const float *xs[MR], *gs[MR];
+  for (int r = 0; r < MR; ++r) {
+    xq[r] = &X.q[(m0 + r) * (K / 2)], gs[r] = &X.gsum[(m0 + r) * X.groups];
+    xs[r] = kBf16 ? nullptr : &X.scale[(m0 + r) * X.chunks];
+  }
+  const int64_t stride = T.stride, sstride = T.sstride;
+  const __m512i* tiles = T.data + t0 * stride;
+  const float* sw = T.sw + t0 * sstride;
+  const float* mw = T.mw + t0 * sstride;
+  alignas(64) float acc[MR][NT][16];
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_store_ps(acc[r][t], _mm512_setzero_ps());
+  for (int64_t g = 0; g < L.groups; ++g) {
+    Acc part[MR][NT];
+    for (int64_t c = 0; c < cpg; ++c) {
+      const int64_t ch = g * cpg + c;
+      if (!kBf16 || c == 0) {
+        for (int r = 0; r < MR; ++r)
+          for (int t = 0; t < NT; ++t) part[r][t] = Acc{};
+      }
+      for (int b = 0; b < 16; ++b) {
+        __m512i wv[NT];
+        for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + b);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + b]);
+          for (int t = 0; t < NT; ++t) dot(part[r][t], wv[t], xb);
+        }
+      }
+      if constexpr (!kBf16) {  // the chunk's int32 sums times x's scale and the weight scale
+        for (int t = 0; t < NT; ++t) {
+          const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
+          for (int r = 0; r < MR; ++r)
+            _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][t]),
+                                                       _mm512_mul_ps(sv, _mm512_set1_ps(xs[r][ch])),
+                                                       _mm512_load_ps(acc[r][t])));
+        }
+        __asm__ volatile("" ::: "memory");  // keeps acc in memory: the registers are for the chunk's sums
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
+      const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
+      for (int r = 0; r < MR; ++r) {
+        __m512 a = _mm512_load_ps(acc[r][t]);
+        if constexpr (kBf16) a = _mm512_fmadd_ps(part[r][t], sv, a);  // the group's sums times the weight scale
+        if (L.int4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), a);
+        _mm512_store_ps(acc[r][t], a);
+      }
+    }
+    __asm__ volatile("" ::: "memory");
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n = n0 + (t0 + t) * 16;
+    const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, _mm512_load_ps(acc[r][t]));
+  }
+}
+
+// every row of x (kRowsX at a time, then the rest) against tiles t0 .. t0+NT-1
+template <typename Acc, int NT, int R = kRowsX>
+inline void vnni_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
+                      int64_t N, int64_t n0, int64_t m = 0) {
+  if constexpr (R == kRowsX) {
+    for (; m + R <= M; m += R) vnni_block<Acc, R, NT>(X, m, K, L, T, t0, y, N, n0);
+    vnni_rows<Acc, NT, R - 1>(X, M, K, L, T, t0, y, N, n0, m);
+  } else if constexpr (R > 0) {
+    if (M - m == R)
+      vnni_block<Acc, R, NT>(X, m, K, L, T, t0, y, N, n0);
+    else
+      vnni_rows<Acc, NT, R - 1>(X, M, K, L, T, t0, y, N, n0, m);
+  }
+}
+
+template <typename Acc>
+void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
+                int64_t N, int64_t n0) {
+  int64_t t = 0;
+  for (; t + kTilesX <= nt; t += kTilesX) vnni_rows<Acc, kTilesX>(X, M, K, L, T, t, y, N, n0);
+  for (; t < nt; ++t) vnni_rows<Acc, 1>(X, M, K, L, T, t, y, N, n0);
+}
+
+void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8) {
+  const int64_t M = x.size(0), N = L.N(), K = L.K();
+  const XPairs X(x, L.G, act8 && L.int4);
+  // each thread an even share of the 16-row tiles, in blocks of up to kVnniTiles
+  const int64_t tiles = (N + 15) / 16, threads = std::min<int64_t>(at::get_num_threads(), tiles);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    std::vector<__m512i> data(kVnniTiles * K / 2);
+    std::vector<float> sw(kVnniTiles * L.groups * 16), mw(sw.size());
+    const Tiles T{data.data(), sw.data(), mw.data(), K / 2, L.groups * 16};
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t end = (i + 1) * tiles / threads;
+      for (int64_t t0 = i * tiles / threads; t0 < end; t0 += kVnniTiles) {
+        const int64_t nt = std::min(kVnniTiles, end - t0);
+        for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
+#ifdef MII_QBF16
+        if (X.bf16) {
+          vnni_tiles<__m512>(X, M, K, L, T, nt, y, N, t0 * 16);
+          continue;
+        }
+#endif
+        vnni_tiles<__m512i>(X, M, K, L, T, nt, y, N, t0 * 16);
+      }
+    }
+  });
+}
+#endif  // MII_QVNNI
+
 // Blocks of kGemmPairs row pairs in parallel: dequantize into a per-task buffer, then y[:, block] = x @ block.T.
 void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
   const int64_t threads = at::get_num_threads(), K = L.K();
@@ -383,19 +709,25 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const Layout L = layout_of(weight);
   const int64_t N = L.N(), K = L.K();
   TORCH_CHECK(x.size(-1) == K, "linear_quant: x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor xf = linear_input(x, K);
-  const int64_t M = xf.size(0);
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
   const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  auto y = at::empty({M, N}, xf.options());
-  if (M > 0 && N > 0) {
-#ifdef MII_QAVX2
-    if (M <= kGemvRows)
-      gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
-    else
-#endif
-      blocked_gemm(L.int4 && act8 ? round_x<int8_t>(xf) : round_x<int16_t>(xf), wp, L, y);
+  auto y = at::empty({M, N}, x2.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return linear_output(y, x, bias);
+#ifdef MII_QVNNI
+  if (M > kGemvRows) {  // bf16 x is read as it is
+    vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
+    return linear_output(y, x, bias);
   }
+#endif
+  const at::Tensor xf = linear_input(x2, K);
+#ifdef MII_QAVX2
+  if (M <= kGemvRows)
+    gemv(xf.data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
+  else
+#endif
+    blocked_gemm(L.int4 && act8 ? round_x<int8_t>(xf) : round_x<int16_t>(xf), wp, L, y);
   return linear_output(y, x, bias);
 }
 

@@ -97,3 +97,27 @@ def test_int8_activations(n, k, scheme, group):
         _check(quant_linear_reference(x, w, b, act8=True), rounded, w, b, 2 ** -12)
         if scheme == "int4":
             assert not torch.equal(rounded, x) and not torch.allclose(out, quant_linear(x, w, b), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 40, 70])
+def test_bf16_rows_multiply_the_exact_weights(m):
+    """bf16 x against int4 weights (the plan's case on native-bf16 CPUs): the weights the file holds, never rounded
+    to bf16. Rows whose products cancel out make the check sharp: rounding the weights to bf16 would leave an error
+    near 2^-9 / sqrt(K) of sum |x * w| (~2^-14 here), where exact products leave fp32 summation (and, for decode
+    rows, x's int16 rounding: ~2^-18) under the output's own bf16 rounding."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(11 + m)
+    n, k = 80, 576
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().float()
+    offset = -7.5 * scale  # weights centred on 0: the sums cancel
+    w = pack_int4(q, scale, offset)
+    x = torch.randn(m, k, generator=g).abs().bfloat16()
+    out = quant_linear(x, w, None).double()
+    wd = dequantize(w).double()
+    ref = x.double() @ wd.T
+    bound = 2 ** -8 * ref.abs() + 2 ** -16 * (x.double().abs() @ wd.abs().T)
+    err = (out - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g} where the bound is {bound[err > bound].min():.3g}"
+    rounded = x.double() @ wd.bfloat16().double().T  # what bf16-rounded weights would give
+    assert ((rounded - ref).abs() > 2 ** -16 * (x.double().abs() @ wd.abs().T)).any()
