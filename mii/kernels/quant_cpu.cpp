@@ -412,11 +412,13 @@ struct XPairs {
         int32_t* out = &q[m * (K / 2)];
         for (int64_t c = 0; c < chunks; ++c, out += 16) {
           float sum;
-          if (bf16) {
+          if (bf16) {  // columns 0-15 and 16-31 widened to 32-bit lanes: the pairs, and (shifted) their fp32 values
             const uint16_t* xc = reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()) + m * K + c * 32;
-            sum = 0.f;
-            for (int k = 0; k < 32; ++k) sum += static_cast<float>(c10::BFloat16(xc[k], c10::BFloat16::from_bits()));
-            for (int k = 0; k < 16; ++k) out[k] = pair(xc[k], xc[k + 16]);
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 16)));
+            _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                                     _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
           } else {
             const float* xc = xf.data_ptr<float>() + m * K + c * 32;
             int16_t v[32];
@@ -661,8 +663,12 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
   // each thread an even share of the 16-row tiles, in blocks of up to kVnniTiles
   const int64_t tiles = (N + 15) / 16, threads = std::min<int64_t>(at::get_num_threads(), tiles);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    std::vector<__m512i> data(kVnniTiles * K / 2);
-    std::vector<float> sw(kVnniTiles * L.groups * 16), mw(sw.size());
+    // per thread, kept between calls: freed, glibc would hand the pages back and fault them in again every call
+    thread_local std::vector<__m512i> data;
+    thread_local std::vector<float> sw, mw;
+    data.resize(std::max<size_t>(data.size(), kVnniTiles * K / 2));
+    sw.resize(std::max<size_t>(sw.size(), kVnniTiles * L.groups * 16));
+    mw.resize(sw.size());
     const Tiles T{data.data(), sw.data(), mw.data(), K / 2, L.groups * 16};
     for (int64_t i = b; i < e; ++i) {
       const int64_t end = (i + 1) * tiles / threads;
