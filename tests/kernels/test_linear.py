@@ -80,6 +80,23 @@ def test_bf16_activations_every_row_count(m):
         torch.testing.assert_close(alone.double(), out[::max(1, m // 4)].double(), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
 
 
+@pytest.mark.parametrize("tiles", ["row-major", "tiled", "kpairs"])
+def test_bf16_rows_in_and_out_round_as_torch(tiles):
+    """bf16 x is widened and the result rounded (bias added first) by the kernel itself, not by Tensor.to: the
+    same bits as the fp32 call's result rounded by torch, leading dimensions kept."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 96, 64
+    w = torch.randn(n, k, generator=g).bfloat16()
+    wt = {"row-major": w, "tiled": tile_bf16w(w), "kpairs": tile_bf16_kpairs(w)}[tiles]
+    b = torch.randn(n, generator=g)
+    for m in (1, 5, 17, 40):
+        x = torch.randn(2, m, k, generator=g).bfloat16()
+        for bias in (None, b):
+            out = torch.ops.mii.linear_bf16w(x, wt, bias)
+            assert out.dtype == torch.bfloat16 and out.shape == (2, m, n)
+            assert torch.equal(out, torch.ops.mii.linear_bf16w(x.float(), wt, bias).bfloat16())
+
+
 def test_kpair_layout_and_its_rows():
     """k-pair tiles (CPUs with native bf16 dot products): tile j of a 16-row group holds columns 2j, 2j+1 of its
     rows, every element once; a tied embedding reads its rows back exactly."""

@@ -121,3 +121,19 @@ def test_bf16_rows_multiply_the_exact_weights(m):
     assert (err <= bound).all(), f"max error {err.max():.3g} where the bound is {bound[err > bound].min():.3g}"
     rounded = x.double() @ wd.bfloat16().double().T  # what bf16-rounded weights would give
     assert ((rounded - ref).abs() > 2 ** -16 * (x.double().abs() @ wd.abs().T)).any()
+
+
+def test_bf16_rows_in_and_out_round_as_torch():
+    """Decode rows (up to 32) of bf16 x: widened and rounded (bias added first) by the kernel itself, not by
+    Tensor.to: the same bits as the fp32 call's result rounded by torch."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(9)
+    for n, k, scheme, group in CASES[:5]:
+        w = _weight(n, k, scheme, group, g)
+        b = torch.randn(n, generator=g)
+        for m in (1, 4, 17, 32):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            for bias in (None, b):
+                out = quant_linear(x, w, bias)
+                assert out.dtype == torch.bfloat16
+                assert torch.equal(out, quant_linear(x.float(), w, bias).bfloat16())
