@@ -1,7 +1,7 @@
 // y = x @ dequantize(w).T + bias for weight-only quantized w: mii::linear_quant. The layouts are
 // mii/layers/quant.py's: a pair of output rows at a time, group after group, each group led by its fp16 scales
 // (int4 also offsets), so the whole matrix is one sequential stream.
-// - Up to kGemvRows rows of x (decode): x is rounded to int16 per 32 columns (scale = max |x| / 32767, an error
+// - Up to kGemvRows rows of x (decode; up to 8 on CPUs with the tiles below): x is rounded to int16 per 32 columns (scale = max |x| / 32767, an error
 //   under 2^-15 of the chunk's largest value: far below bf16's 2^-9), so that the weights are multiplied as
 //   integers: `vpmaddwd` does 16 multiply-adds in one instruction where widening every weight to fp32 takes three
 //   instructions per 8. int4: one mask and one shift give a row pair's 64 nibbles as bytes (row a in the low 128
@@ -14,7 +14,7 @@
 //   32 signed bytes in one instruction (x's columns 0-15 and 16-31 each repeated twice). Faster, but an error up
 //   to 1/254 of the chunk's largest |x|: results are close, no longer exact, and a row's result can move with
 //   fp32-level differences upstream (its batch), where 16-bit rounding keeps them below bf16's precision.
-// - More rows (prompt chunks, big batches), on CPUs with AVX-512 (VNNI and VBMI): 16-row tiles of the weights'
+// - More rows (prompt chunks, big batches; from 9 rows on CPUs with AVX-512 VNNI and VBMI): 16-row tiles of the weights'
 //   integers unpacked into L2, one `vdpbf16ps` (bf16 x) or `vpdpwssd` (x rounded as above) a 16-row pair of
 //   columns: see vnni_gemm below. Elsewhere each task dequantizes a block of rows into an fp32 buffer that stays
 //   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first. Either way a row's result does
@@ -379,6 +379,10 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 //   path's arithmetic up to fp32 summation order.
 // Measured on a Zen 4 EPYC, SmolLM2's shapes at 33-256 rows: vpdpwssd runs at about half vdpbf16ps's rate.
 constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128 bytes)
+// more rows of x than this take the tiles rather than the streaming kernel. Measured on a Zen 4 EPYC, 2 threads,
+// bf16 x: even at 8 rows, ahead from 12 (`[3072, 576]` 16 rows 562-688 → 305-495 µs, 32 rows 1,467-1,531 → 580-629;
+// the int8 LM head `[49152, 576]` 32 rows 14.0-15.1 → 7.6-8.8 ms); behind at 4 (the weights are unpacked for few rows)
+constexpr int64_t kTileMinRows = 9;
 constexpr int kRowsX = 4, kTilesX = 4;  // a block: 4 rows of x by 4 tiles, 16 accumulators in registers
 
 // GCC 12 copies the accumulator around every _mm512_dpwssd_epi32 (its pattern does not tie it to the output),
@@ -722,7 +726,7 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   auto y = at::empty({M, N}, x2.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return linear_output(y, x, bias);
 #ifdef MII_QVNNI
-  if (M > kGemvRows) {  // bf16 x is read as it is
+  if (M >= kTileMinRows) {  // bf16 x is read as it is
     vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }

@@ -124,14 +124,14 @@ def test_bf16_rows_multiply_the_exact_weights(m):
 
 
 def test_bf16_rows_in_and_out_round_as_torch():
-    """Decode rows (up to 32) of bf16 x: widened and rounded (bias added first) by the kernel itself, not by
-    Tensor.to: the same bits as the fp32 call's result rounded by torch."""
+    """Decode rows of bf16 x (up to 8: the streaming kernel on every CPU): widened and rounded (bias added first)
+    by the kernel itself, not by Tensor.to: the same bits as the fp32 call's result rounded by torch."""
     kernels.load_cpu_kernels()
     g = torch.Generator().manual_seed(9)
     for n, k, scheme, group in CASES[:5]:
         w = _weight(n, k, scheme, group, g)
         b = torch.randn(n, generator=g)
-        for m in (1, 4, 17, 32):
+        for m in (1, 4, 5, 8):
             x = torch.randn(m, k, generator=g).bfloat16()
             for bias in (None, b):
                 out = quant_linear(x, w, bias)
