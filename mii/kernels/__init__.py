@@ -7,7 +7,8 @@
 - `mii::linear_bf16w`: a linear whose weight is stored in bf16 and whose math is fp32, for CPUs without native
   bf16 matmul: decode streams half the bytes of fp32 weights (`linear_cpu.cpp`);
 - `mii::linear_quant`: a linear whose weight is int8 or int4 (group-wise scales, `mii/layers/quant.py`'s
-  layouts) and whose math is fp32: decode streams 2-4x fewer bytes than bf16 (`quant_cpu.cpp`);
+  layouts) and whose math is fp32: decode streams 2-4x fewer bytes than bf16 (`quant_cpu.cpp`); `mii::quant_rows`,
+  rows of such a weight dequantized (the embedding lookup of a tied, quantized LM head);
 - `mii::sample_race`: the sampled rows of a step (temperature, top-k, top-p, min-p, the seeded exponential race)
   in one pass over each row, drawing what the torch sampler draws (`sampler_cpu.cpp`);
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
@@ -47,6 +48,7 @@ _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, T
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
 _lib.define("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("linear_quant(Tensor x, Tensor weight, Tensor? bias, bool act8=False) -> Tensor")
+_lib.define("quant_rows(Tensor weight, Tensor ids) -> Tensor")
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
@@ -96,6 +98,13 @@ def _(logits, temperature, top_k, top_p, min_p, seeds, steps):
 @torch.library.register_fake("mii::linear_quant")
 def _(x, weight, bias, act8=False):  # weight packed int4 [N/2, K/G, 8 + G] (uint8) or int8 [N/2, K/G, 8 + 2G]
     return x.new_empty(*x.shape[:-1], weight.shape[0] * 2)
+
+
+@torch.library.register_fake("mii::quant_rows")
+def _(weight, ids):
+    from mii.layers.quant import in_features
+
+    return weight.new_empty(*ids.shape, in_features(weight), dtype=torch.float32)
 
 
 _lock = threading.Lock()

@@ -116,7 +116,14 @@ def dequantize(w: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a packed weight as float32 ([*ids.shape, K]): the embedding lookup of a tied LM head."""
+    """Rows `ids` of a packed weight as float32 ([*ids.shape, K]): the embedding lookup of a tied LM head
+    (`mii::quant_rows` on CPU once mii's CPU kernels are loaded, the same arithmetic)."""
+    if w.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::quant_rows", "CPU"):
+        return torch.ops.mii.quant_rows(w, ids)
+    return dequantize_rows_reference(w, ids)
+
+
+def dequantize_rows_reference(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     flat = ids.reshape(-1)
     pairs = w[flat // 2]  # [T, groups, bytes]
     rows = dequantize(pairs).view(-1, 2, in_features(w))

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mii import kernels
-from mii.layers.quant import (dequantize, pack_int4, quant_linear, quant_linear_reference, quantize_int4,
-                              quantize_int8, round_activations_int8)
+from mii.layers.quant import (dequantize, dequantize_rows, dequantize_rows_reference, pack_int4, quant_linear,
+                              quant_linear_reference, quantize_int4, quantize_int8, round_activations_int8)
 
 # (rows N, inputs K, scheme, group): several groups per row; N not a multiple of 4 or 8 for the kernels' tails
 CASES = [(96, 64, "int8", None), (130, 256, "int8", 32), (66, 576, "int8", None), (64, 96, "int4", 32),
@@ -137,3 +137,21 @@ def test_bf16_rows_in_and_out_round_as_torch():
                 out = quant_linear(x, w, bias)
                 assert out.dtype == torch.bfloat16
                 assert torch.equal(out, quant_linear(x.float(), w, bias).bfloat16())
+
+
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None)])
+def test_rows_are_the_dequantized_rows(scheme, group):
+    """mii::quant_rows (the embedding lookup of a tied, quantized LM head): bit for bit the rows of the Python
+    dequantization, for ids of any shape (both rows of a pair, repeats, none), and a typed error for a bad id."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(11)
+    n, k = 50, 256
+    w = _weight(n, k, scheme, group, g)
+    for ids in (torch.tensor([0, 1, 49, 48, 7, 7]), torch.randint(0, n, (3, 4), generator=g)):
+        out = dequantize_rows(w, ids)
+        assert out.shape == (*ids.shape, k) and out.dtype == torch.float32
+        assert torch.equal(out, dequantize_rows_reference(w, ids))
+        assert torch.equal(out.reshape(-1, k), dequantize(w)[ids.reshape(-1)])
+    assert dequantize_rows(w, torch.zeros(0, dtype=torch.long)).shape == (0, k)
+    with pytest.raises(IndexError, match="out of range"):
+        dequantize_rows(w, torch.tensor([3, n]))
