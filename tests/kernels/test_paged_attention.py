@@ -76,16 +76,35 @@ def test_a_cache_of_another_dtype_is_refused():
                                       1, 0.3, 0)
 
 
-def test_a_row_alone_equals_the_row_in_a_batch():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_row_alone_equals_the_row_in_a_batch(dtype, tol):
     """A decode row's parts depend on its own sequence, not on the batch: alone or among others, the same bits."""
     out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
-        torch.float32, 1e-5, 16, 0, (6, 2), 64, LONG)
+        dtype, tol, 16, 0, (6, 2), 64, LONG)
     for i in (0, 2):  # 300 keys (3 parts), 128 keys (1 part, at the boundary)
         t = int(query_start[i])
         alone = torch.ops.mii.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_cache, v_cache, slots[t:t + 1],
                                               torch.tensor([0, 1], dtype=torch.int32), seq_lens[i:i + 1],
                                               block_tables[i:i + 1], 1, 64 ** -0.5, 0)
         assert torch.equal(alone, out[t:t + 1])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("specs", [MIXED, LONG], ids=["mixed", "long"])
+def test_bf16_rows_in_place_round_correctly(d, window, specs):
+    """bf16 queries on a bf16 cache, the rows the kernel computes in place (decode rows, chunks under 16 tokens: on
+    CPUs with AVX512-BF16, keys multiplied by vdpbf16ps, values widened in registers): within half a bf16 step of
+    the float64 attention (the output's own rounding), where the shape tolerance above allows 2e-2."""
+    out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
+        torch.bfloat16, 2e-2, 32, window, (9, 3), d, specs)
+    tables = [row[: -(-(p + n) // 32)].tolist() for row, (p, n) in zip(block_tables, specs)]
+    expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
+    rows = [r for i, (_, n) in enumerate(specs) if n < 16 for r in range(query_start[i], query_start[i + 1])]
+    got, want = out[rows].double(), expected[rows]
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2 ** -20))) - 7)  # a bf16 step at each value
+    shown = want.abs() > 0.05  # away from zero, where an absolute error of the fp32 sums could dominate
+    assert ((got - want).abs() <= 0.5 * step * (1 + 2 ** -10))[shown].all()
 
 
 def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=None):
