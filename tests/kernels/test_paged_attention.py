@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mii import kernels
+from mii.envs import cpu_flags
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
                                 reason=f"CPU kernel not built: {kernels.load_cpu_kernels()}")
@@ -93,18 +94,21 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype, tol):
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("specs", [MIXED, LONG], ids=["mixed", "long"])
 def test_bf16_rows_in_place_round_correctly(d, window, specs):
-    """bf16 queries on a bf16 cache, the rows the kernel computes in place (decode rows, chunks under 16 tokens: on
-    CPUs with AVX512-BF16, keys multiplied by vdpbf16ps, values widened in registers): within half a bf16 step of
-    the float64 attention (the output's own rounding), where the shape tolerance above allows 2e-2."""
+    """bf16 queries on a bf16 cache, the rows the kernel computes in place (decode rows and chunks under 16 tokens;
+    on CPUs with AVX512-BF16 every chunk, its keys multiplied by vdpbf16ps, its values widened in registers):
+    within half a bf16 step of the float64 attention (the output's own rounding), where the shape tolerance above
+    allows 2e-2. (Elsewhere the longer chunks go through ATen's SDPA.)"""
     out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
         torch.bfloat16, 2e-2, 32, window, (9, 3), d, specs)
     tables = [row[: -(-(p + n) // 32)].tolist() for row, (p, n) in zip(block_tables, specs)]
     expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
-    rows = [r for i, (_, n) in enumerate(specs) if n < 16 for r in range(query_start[i], query_start[i + 1])]
+    every = "avx512_bf16" in cpu_flags()
+    rows = [r for i, (_, n) in enumerate(specs) if every or n < 16 for r in range(query_start[i], query_start[i + 1])]
     got, want = out[rows].double(), expected[rows]
     step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2 ** -20))) - 7)  # a bf16 step at each value
     shown = want.abs() > 0.05  # away from zero, where an absolute error of the fp32 sums could dominate
-    assert ((got - want).abs() <= 0.5 * step * (1 + 2 ** -10))[shown].all()
+    # half a step, and a little for the fp32 sums where the exact value sits next to a rounding boundary
+    assert ((got - want).abs() <= 0.5 * step * (1 + 2 ** -5))[shown].all()
 
 
 def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=None):
