@@ -244,6 +244,22 @@ inline int64_t sdpa_from(at::ScalarType q, at::ScalarType cache, int64_t d) {
   return in_place_bf16(q, cache, d) ? std::numeric_limits<int64_t>::max() : kPromptChunk;
 }
 
+// a row's online softmax over one block's scores sr[first, last): the scores become their weights exp(s - max),
+// the row's maximum m and sum l move on, and what it accumulated under the old maximum (ar, d values) is rescaled
+inline void softmax_step(float* sr, int64_t first, int64_t last, float& m, float& l, float* ar, int64_t d) {
+  float mx = m;
+  for (int64_t j = first; j < last; ++j) mx = std::max(mx, sr[j]);
+  const float c = std::exp(m - mx);
+  float sum = 0.f;
+  for (int64_t j = first; j < last; ++j) {
+    sr[j] = std::exp(sr[j] - mx);
+    sum += sr[j];
+  }
+  l = l * c + sum;
+  m = mx;
+  for (int64_t e = 0; e < d; ++e) ar[e] *= c;
+}
+
 // T: the queries' and the output's dtype; C: the cache's (T, or bf16/fp16 under fp32 queries)
 template <typename T, typename C>
 void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_t* query_start,
@@ -336,18 +352,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
               if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
               else scores_bf16<128>(qr, kr, first, last, fscale, sr);
-              float mx = m[r];
-              for (int64_t j = first; j < last; ++j) mx = std::max(mx, sr[j]);
-              const float c = std::exp(m[r] - mx);
-              float sum = 0.f;
-              for (int64_t j = first; j < last; ++j) {
-                sr[j] = std::exp(sr[j] - mx);
-                sum += sr[j];
-              }
-              l[r] = l[r] * c + sum;
-              m[r] = mx;
-              float* ar = acc + r * d;
-              for (int64_t e = 0; e < d; ++e) ar[e] *= c;
+              softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
               lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
             }
             if (hi_j > lo_j) {
@@ -375,19 +380,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           const float* qr = qf + r * d;
           float* sr = sc + r * B;
           scores(qr, kblk, d, d, first, last, sr);
-          float mx = m[r];
-          for (int64_t j = first; j < last; ++j) mx = std::max(mx, sr[j]);
-          const float c = std::exp(m[r] - mx);  // rescale what was accumulated under the old maximum
-          float sum = 0.f;
-          for (int64_t j = first; j < last; ++j) {
-            sr[j] = std::exp(sr[j] - mx);
-            sum += sr[j];
-          }
-          l[r] = l[r] * c + sum;
-          m[r] = mx;
-          float* ar = acc + r * d;
-          for (int64_t e = 0; e < d; ++e) ar[e] *= c;
-          values(ar, sr, vblk, d, d, first, last);
+          softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
+          values(acc + r * d, sr, vblk, d, d, first, last);
         }
       }
       if (np == 1) {
