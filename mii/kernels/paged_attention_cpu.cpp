@@ -267,6 +267,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             int64_t n_heads, int64_t n_kv, int64_t d, int64_t block_size, double scale, int64_t window,
             int64_t q_stride, int64_t o_stride, int64_t sdpa_min) {
   const int64_t group = n_heads / n_kv;
+  const bool in_place = in_place_bf16_type<T, C>() && (d == 64 || d == 128);  // scores_bf16 below, not qf
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
   const int64_t B = block_size, part_blocks = std::max<int64_t>(1, kSplitKeys / B);
   // work items: (sequence, kv head, query tile, part of the keys); parts only for decode rows
@@ -312,8 +313,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = i * group + g;
           qrow[r] = q + tok * q_stride + (kvh * group + g) * d;
-          load_row(qrow[r], qf + r * d, d);
-          for (int64_t e = 0; e < d; ++e) qf[r * d + e] *= fscale;
+          if (!in_place) {
+            load_row(qrow[r], qf + r * d, d);
+            for (int64_t e = 0; e < d; ++e) qf[r * d + e] *= fscale;
+          }
           qpos[r] = pos;
           m[r] = kNegBig;
           l[r] = 0.f;
@@ -339,7 +342,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         }
 #ifdef MII_ATTN_BF16
         if constexpr (in_place_bf16_type<T, C>()) {
-          if (d == 64 || d == 128) {
+          if (in_place) {
             const auto* kr = reinterpret_cast<const uint16_t*>(k_cache + base);
             const auto* vr = reinterpret_cast<const uint16_t*>(v_cache + base);
             int64_t lo_j = nk, hi_j = 0;  // the keys some row sees

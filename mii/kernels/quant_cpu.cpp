@@ -82,11 +82,13 @@ Layout layout_of(const at::Tensor& w) {
 
 // --- one weight element, for CPUs without AVX2 (where every row count takes the GEMM path) -----------------------
 
+// scale * q rounded before the offset is added (no fused multiply-add), as mii/layers/quant.py's dequantize
 inline float int4_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
   const float s = half_to_float(blk + 2 * row), m = half_to_float(blk + 4 + 2 * row);
   const uint8_t byte = blk[8 + (col / 32) * 32 + row * 16 + col % 16];
   const int q = (col % 32 >= 16) ? byte >> 4 : byte & 15;
-  return s * static_cast<float>(q) + m;
+  const volatile float scaled = s * static_cast<float>(q);
+  return scaled + m;
 }
 
 inline float int8_weight(const uint8_t* blk, int64_t G, int row, int64_t col) {
@@ -462,18 +464,13 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t N = L.N(), K = L.K();
 #ifdef MII_QVNNI
-  if (L.int4 && act8) {
-    const XBytes<true> X(x, M, K);
-    for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
-      int4_pair_bytes<decltype(R)::value>(pw, L, X, m0, y, N, p);
-    });
-    return;
-  }
   if (L.int4) {
-    const XBytes<false> X(x, M, K);
-    for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
-      int4_pair_bytes<decltype(R)::value>(pw, L, X, m0, y, N, p);
-    });
+    const auto run = [&](const auto& X) {
+      for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
+        int4_pair_bytes<decltype(R)::value>(pw, L, X, m0, y, N, p);
+      });
+    };
+    act8 ? run(XBytes<true>(x, M, K)) : run(XBytes<false>(x, M, K));
     return;
   }
 #endif
@@ -873,8 +870,8 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 }
 
 // rows `ids` of a packed weight as fp32 [*ids.shape, K]: the embedding lookup of a tied, quantized LM head, with
-// mii/layers/quant.py's dequantize arithmetic (scale * q, rounded, then + offset). One token's row was ~15 torch
-// ops from Python, 0.3 ms of a decode step.
+// mii/layers/quant.py's dequantize arithmetic (int4_weight, int8_weight). One token's row was ~15 torch ops from
+// Python, 0.3 ms of a decode step.
 at::Tensor quant_rows_cpu(const at::Tensor& weight, const at::Tensor& ids) {
   const Layout L = layout_of(weight);
   const int64_t K = L.K(), pair_bytes = L.groups * L.block;
@@ -892,16 +889,8 @@ at::Tensor quant_rows_cpu(const at::Tensor& weight, const at::Tensor& ids) {
       const int row = static_cast<int>(id[t] % 2);
       for (int64_t g = 0; g < L.groups; ++g) {
         const uint8_t* blk = pw + g * L.block;
-        const float s = half_to_float(blk + 2 * row), m = L.int4 ? half_to_float(blk + 4 + 2 * row) : 0.f;
         float* dst = o + t * K + g * L.G;
-        for (int64_t c = 0; c < L.G; ++c) {
-          const uint8_t* q = blk + 8;
-          float v = s * static_cast<float>(L.int4 ? ((c % 32 >= 16 ? q[(c / 32) * 32 + row * 16 + c % 16] >> 4
-                                                                  : q[(c / 32) * 32 + row * 16 + c % 16] & 15))
-                                                  : reinterpret_cast<const int8_t*>(q + row * L.G)[c]);
-          __asm__("" : "+x"(v));  // rounded before the offset is added, as torch does (no fused multiply-add)
-          dst[c] = L.int4 ? v + m : v;
-        }
+        for (int64_t c = 0; c < L.G; ++c) dst[c] = L.int4 ? int4_weight(blk, L.G, row, c) : int8_weight(blk, L.G, row, c);
       }
     }
   });
