@@ -147,6 +147,14 @@ inline void values(float* acc, const float* p, const float* v, int64_t stride, i
   }
 }
 
+// The accumulators of the in-place loop hold a row's D values permuted within each run of 32: a bf16 row's 32
+// values in one 512-bit load widen to fp32 by one shift (the even ones: each 32-bit lane's low half moved up) and
+// one mask (the odd ones: its high half), two instructions for 32 values where a zero-extension per 16 and a shift
+// took four. Position 32h + i holds value 32h + 2i, position 32h + 16 + i value 32h + 2i + 1 (i < 16). Everything
+// else on the accumulators is per value (the softmax's rescaling, combining a decode row's parts), so only writing
+// the output reads them through this map.
+inline int64_t acc_value(int64_t pos) { return (pos & ~int64_t(31)) + 2 * (pos & 15) + ((pos >> 4) & 1); }
+
 #if defined(MII_ATTN_AVX2) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define MII_ATTN_BF16 1
 // bf16 queries on a bf16 cache (the plan's case on CPUs with native bf16): the keys' rows are multiplied in place by
@@ -185,23 +193,28 @@ inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t first, int
         for (int c = 0; c < C; ++c)
           a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_loadu_si512(k + (j + u) * D + 32 * c), qv[c]);
     }
-    _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << n) - 1), _mm512_mul_ps(sum16(a), sv));
+    const __m512 sj = _mm512_mul_ps(sum16(a), sv);
+    if (n == 16) _mm512_storeu_ps(out + j, sj);  // (a masked store is not forwarded to the softmax's loads)
+    else _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << n) - 1), sj);
   }
 }
 
-// acc rows 0 .. R-1 (D floats each) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a row does not see a
-// key), each value widened once for the R rows
+// acc rows 0 .. R-1 (D floats each, permuted as above) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a
+// row does not see a key), each value widened once for the R rows
 template <int D, int R>
 inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t lo, int64_t hi) {
   constexpr int C = D / 16;
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
   for (int64_t j = lo; j < hi; ++j) {
     __m512 vv[C];
-    for (int c = 0; c < C; ++c)
-      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * D + 16 * c))), 16));
+    for (int c = 0; c < C; c += 2) {
+      const __m512i x = _mm512_loadu_si512(v + j * D + 16 * c);
+      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * pstride + j]);
       for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vv[c], a[r][c]);
@@ -211,14 +224,18 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint1
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
 }
 
-// every row's values, kRowsV rows at a time (their accumulators in registers)
+// every row's values, up to kRowsV rows at a time (their accumulators in registers)
 template <int D>
 inline void values_rows(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t rows, int64_t lo,
                         int64_t hi) {
   constexpr int kRowsV = D == 64 ? 4 : 2;
   int64_t r = 0;
   for (; r + kRowsV <= rows; r += kRowsV) values_bf16<D, kRowsV>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
-  for (; r < rows; ++r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
+  if constexpr (kRowsV == 4) {
+    if (rows - r == 3) return values_bf16<D, 3>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
+    if (rows - r == 2) return values_bf16<D, 2>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
+  }
+  if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
 }
 #endif
 
@@ -394,7 +411,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             const int64_t r = i * group + g;
             const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
             T* o = out + tok * o_stride + (kvh * group + g) * d;
-            for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[r * d + e] * inv);
+            for (int64_t e = 0; e < d; ++e) o[in_place ? acc_value(e) : e] = static_cast<T>(acc[r * d + e] * inv);
           }
         }
         continue;
@@ -422,7 +439,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         T* o = out + tok * o_stride + (kvh * group + r) * d;
-        for (int64_t e = 0; e < d; ++e) o[e] = static_cast<T>(acc[e] * inv);
+        for (int64_t e = 0; e < d; ++e) o[in_place ? acc_value(e) : e] = static_cast<T>(acc[e] * inv);
       }
     }
   });
