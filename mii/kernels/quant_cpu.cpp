@@ -371,26 +371,32 @@ struct XBytes {
   std::vector<__m512i> q;
   std::vector<__m512> scale, sum;
   XBytes(const float* x, int64_t M, int64_t K) : cpairs((K / 32 + 1) / 2) {
-    using Q = std::conditional_t<kAct8, int8_t, int16_t>;
     q.assign(M * cpairs * kVecs, _mm512_setzero_si512());
     scale.assign(M * cpairs, _mm512_setzero_ps());
     sum.assign(M * cpairs, _mm512_setzero_ps());
+    constexpr float kInvMax = kAct8 ? 1.f / 127.f : 1.f / 32767.f;
+    const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t c = 0; c < K / 32; ++c) {
-        Q v[32];
-        const float s = round_chunk(x + m * K + c * 32, v);
-        int32_t vsum = 0;  // exact
-        for (int k = 0; k < 32; ++k) vsum += v[k];
+        // round_chunk's arithmetic in vectors: the same amax, s, inv and products; cvtps rounds half to even
+        // (nearbyint under the default rounding mode); the int16/int8 values fit, so their low bytes are theirs
+        const float* xc = x + m * K + c * 32;
+        const __m512 x0 = _mm512_loadu_ps(xc), x1 = _mm512_loadu_ps(xc + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const float s = amax > 0.f ? amax * kInvMax : 1.f, inv = 1.f / s;
+        const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+        const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+        const int32_t vsum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));  // exact
         const int64_t at = m * cpairs + c / 2, half = c % 2;
         auto* out = reinterpret_cast<uint8_t*>(&q[at * kVecs]) + half * 32;
-        for (int j = 0; j < kVecs; ++j, out += 64) {
-          const Q* cols = v + (j % 2) * 16;
-          const int shift = j / 2 * 8;  // the high bytes of int16 x in vectors 2 and 3
-          for (int k = 0; k < 16; ++k) out[k] = out[k + 16] = static_cast<uint8_t>(static_cast<uint16_t>(cols[k]) >> shift);
+        for (int j = 0; j < kVecs; ++j, out += 64) {  // vectors 2 and 3: the high bytes of int16 x
+          const __m512i cols = j % 2 ? v1 : v0;
+          const __m128i b = _mm512_cvtepi32_epi8(j / 2 ? _mm512_srai_epi32(cols, 8) : cols);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_broadcastsi128_si256(b));
         }
-        auto* sc = reinterpret_cast<float*>(&scale[at]) + half * 8;
-        auto* su = reinterpret_cast<float*>(&sum[at]) + half * 8;
-        for (int k = 0; k < 8; ++k) sc[k] = s, su[k] = static_cast<float>(vsum) * s * 0.25f;
+        _mm256_storeu_ps(reinterpret_cast<float*>(&scale[at]) + half * 8, _mm256_set1_ps(s));
+        _mm256_storeu_ps(reinterpret_cast<float*>(&sum[at]) + half * 8,
+                         _mm256_set1_ps(static_cast<float>(vsum) * s * 0.25f));
       }
     }
   }
