@@ -39,6 +39,7 @@ log = logging.getLogger("mii")
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp",
                                                   "quant_cpu.cpp", "decoder_cpu.cpp", "sampler_cpu.cpp")]
+_HEADERS = [Path(__file__).with_name("bf16_vec.h")]  # included by the sources: part of the build's hash
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
@@ -133,7 +134,7 @@ def load_cpu_kernels() -> Optional[str]:
             _ninja_on_path()
 
             # the build is specific to this torch, this source and this CPU's instruction set (-march=native)
-            key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()
+            key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode()
                                  + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
             build = cache_dir() / "kernels" / key
             build.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,12 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+
+#include "bf16_vec.h"
 
 namespace {
 
@@ -48,6 +52,40 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     const float fo = static_cast<float>(offset);
+#ifdef MII_BF16_VEC
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (n % 16 == 0) {  // the same rounding points, 16 values at a time (the sum of squares in another order)
+        using namespace mii_vec;
+        for_rows(T, n, [&](int64_t r) {
+          const scalar_t* xr = xp + r * n;
+          scalar_t* yr = yp + r * n;
+          __m512 ss = _mm512_setzero_ps();
+          if (rp != nullptr) {
+            const scalar_t* rr = rp + r * n;
+            scalar_t* rout = ro + r * n;
+            for (int64_t i = 0; i < n; i += 16) {
+              const __m512 h = bf16_rounded(_mm512_add_ps(bf16_load(xr + i), bf16_load(rr + i)));
+              bf16_store(rout + i, h);
+              ss = _mm512_fmadd_ps(h, h, ss);
+            }
+            xr = rout;
+          } else {
+            for (int64_t i = 0; i < n; i += 16) {
+              const __m512 h = bf16_load(xr + i);
+              ss = _mm512_fmadd_ps(h, h, ss);
+            }
+          }
+          const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + static_cast<float>(eps));
+          const __m512 iv = _mm512_set1_ps(inv), ov = _mm512_set1_ps(fo);
+          for (int64_t i = 0; i < n; i += 16) {
+            const __m512 xn = _mm512_mul_ps(bf16_load(xr + i), iv), w = bf16_load(wp + i);
+            bf16_store(yr + i, fo == 0.f ? _mm512_mul_ps(bf16_rounded(xn), w) : _mm512_mul_ps(xn, _mm512_add_ps(w, ov)));
+          }
+        });
+        return;
+      }
+    }
+#endif
     for_rows(T, n, [&](int64_t r) {
       const scalar_t* xr = xp + r * n;
       scalar_t* yr = yp + r * n;
@@ -96,6 +134,20 @@ void rotary_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const
         scalar_t* base = x->data_ptr<scalar_t>() + t * x->stride(0);
         for (int64_t h = 0; h < x->size(1); ++h) {
           scalar_t* row = base + h * d;
+#ifdef MII_BF16_VEC
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (half % 16 == 0) {
+              using namespace mii_vec;
+              for (int64_t i = 0; i < half; i += 16) {
+                const __m512 x1 = bf16_load(row + i), x2 = bf16_load(row + i + half);
+                const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+                bf16_store(row + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
+                bf16_store(row + i + half, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+              }
+              continue;
+            }
+          }
+#endif
           for (int64_t i = 0; i < half; ++i) {
             const float x1 = f(row[i]), x2 = f(row[i + half]);
             row[i] = static_cast<scalar_t>(x1 * c[i] - x2 * s[i]);
@@ -120,6 +172,22 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
       const scalar_t* g = xp + r * stride;
       const scalar_t* u = g + n;
       scalar_t* o = yp + r * n;
+#ifdef MII_BF16_VEC
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        if (n % 16 == 0) {  // silu in fp32 over runs of up to 256 (a loop the compiler vectorizes, exp included)
+          using namespace mii_vec;
+          float t[256];
+          for (int64_t i0 = 0; i0 < n; i0 += 256) {
+            const int64_t len = std::min<int64_t>(256, n - i0);
+            for (int64_t i = 0; i < len; i += 16) _mm512_storeu_ps(t + i, bf16_load(g + i0 + i));
+            for (int64_t i = 0; i < len; ++i) t[i] = t[i] / (1.f + std::exp(-t[i]));
+            for (int64_t i = 0; i < len; i += 16)
+              bf16_store(o + i0 + i, _mm512_mul_ps(bf16_rounded(_mm512_loadu_ps(t + i)), bf16_load(u + i0 + i)));
+          }
+          return;
+        }
+      }
+#endif
       for (int64_t i = 0; i < n; ++i) {
         const float gv = f(g[i]);
         o[i] = static_cast<scalar_t>(round_to<scalar_t>(gv / (1.f + std::exp(-gv))) * f(u[i]));

@@ -1,0 +1,42 @@
+// bf16 <-> fp32 for 16 values at a time (AVX-512), with c10::BFloat16's arithmetic: a bf16 is the upper half of
+// its fp32, and fp32 -> bf16 rounds to nearest even (NaN -> 0x7FC0), as torch rounds. Integer operations only, so
+// -ffast-math cannot change them, and denormals round like any other value (AVX512-BF16's vcvtneps2bf16 flushes
+// them). Included by the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+#define MII_BF16_VEC 1
+
+namespace mii_vec {
+
+inline __m512 bf16_load(const void* p) {  // 16 bf16 -> fp32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
+}
+
+inline __m256i bf16_round(__m512 v) {  // 16 fp32 -> bf16, to nearest even
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline void bf16_store(void* p, __m512 v) {
+  _mm256_storeu_si256(static_cast<__m256i*>(p), bf16_round(v));
+}
+
+// v as bf16 would hold it, back in fp32 (the eager code's rounding to the model dtype between two ops)
+inline __m512 bf16_rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+}
+
+}  // namespace mii_vec
+#endif

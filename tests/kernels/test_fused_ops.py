@@ -1,0 +1,74 @@
+"""mii's fused element-wise CPU ops (rms_norm with the residual add, rotary_, silu_and_mul) against the eager
+torch code they replace (mii/layers), in fp32 and bf16, on widths the vectorized bf16 loops take (multiples of 16)
+and widths they leave to the scalar loops. They round to the dtype at the same points as the eager code, so a
+bf16 value may differ only where an fp32 intermediate lands next to a rounding boundary (another summation order
+of the sum of squares, another exp): by at most one bf16 step, and rarely."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mii import kernels
+from mii.layers.norm import RMSNorm
+from mii.layers.rotary import _rotate
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if kernels.load_cpu_kernels() is not None:
+        pytest.skip(f"CPU kernels not built: {kernels.load_cpu_kernels()}")
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal in fp32 up to fp32 rounding; in bf16 within one step of the value, and all but a few exactly."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        return
+    a, b = ours.float(), ref.float()
+    torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-30)
+    assert (a != b).float().mean() < 0.01
+
+
+def _values(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * torch.rand(*shape, generator=g) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [576, 100])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_eager(dtype, n, offset):
+    norm = RMSNorm(n, 1e-5, offset)
+    norm.weight.data = _values(n, dtype=dtype, seed=1)
+    x, res = _values(7, n, dtype=dtype, seed=2), _values(7, n, dtype=dtype, seed=3)
+    y_ref = norm(x)
+    y2_ref, res_ref = norm(x, res)
+    y, _ = torch.ops.mii.rms_norm(x, None, norm.weight, 1e-5, offset)
+    y2, res2 = torch.ops.mii.rms_norm(x, res, norm.weight, 1e-5, offset)
+    _close(y, y_ref)
+    _close(y2, y2_ref)
+    assert torch.equal(res2, res_ref)  # x + residual, rounded once either way
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1536, 40])
+def test_silu_and_mul_matches_eager(dtype, n):
+    x = _values(5, 2 * n, dtype=dtype, seed=4)
+    gate, up = x.chunk(2, dim=-1)
+    _close(torch.ops.mii.silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,rot_dim", [(64, 64), (128, 64), (64, 40)])
+def test_rotary_matches_eager(dtype, d, rot_dim):
+    T, h, kvh = 6, 9, 3
+    positions = torch.tensor([0, 1, 5, 17, 300, 1023])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    angles = torch.arange(1024).float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    q, k = _values(T, h, d, dtype=dtype, seed=5), _values(T, kvh, d, dtype=dtype, seed=6)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q_ref, k_ref = _rotate(q, c, s, rot_dim), _rotate(k, c, s, rot_dim)
+    torch.ops.mii.rotary_(q, k, positions, cos, sin)
+    _close(q, q_ref)
+    _close(k, k_ref)
