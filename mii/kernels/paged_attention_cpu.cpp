@@ -306,7 +306,11 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   for (int64_t i = 0; i < counters; ++i) finished[i].store(0, std::memory_order_relaxed);
   const int64_t head_block = B * d;  // elements of one kv head's rows in one block
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, item_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
+  // items are taken one at a time from a shared counter rather than in even shares of the list: their costs differ
+  // (a prompt chunk's later tiles see more keys; sequences differ in length), and so can the threads' speeds
+  const int64_t items = item_start[num_seqs];
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     const int64_t max_rows = std::min<int64_t>(kMaxRows, tile * group);
     // scaled queries and accumulators [rows, d], one block of keys/values as float [B, d], scores [rows, B]
     std::unique_ptr<float[]> buf(new float[2 * max_rows * d + 2 * B * d + max_rows * B + 2 * max_rows]);
@@ -314,9 +318,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           *sc = vb + B * d, *m = sc + max_rows * B, *l = m + max_rows;
     int64_t qpos[kMaxRows];
     const T* qrow[kMaxRows];
-    int64_t s = 0;
-    for (int64_t item = begin; item < end; ++item) {
-      while (item_start[s + 1] <= item) ++s;
+    for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
       const int64_t local = item - item_start[s];
       const int64_t ql = query_start[s + 1] - query_start[s];
       const int64_t tiles = (ql + tile - 1) / tile, np = parts[s];
