@@ -93,8 +93,13 @@ def cmd_serve(args) -> int:
         kwargs["deployment_name"] = args.deployment_name
     if args.max_request_bytes is not None:
         kwargs["max_request_bytes"] = args.max_request_bytes
+    state_manager = {}
     if args.max_context:
-        kwargs["inference_engine_config"] = {"state_manager": {"max_context": args.max_context}}
+        state_manager["max_context"] = args.max_context
+    if args.max_batch_tokens is not None:
+        state_manager["max_ragged_batch_size"] = args.max_batch_tokens
+    if state_manager:
+        kwargs["inference_engine_config"] = {"state_manager": state_manager}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
     if args.ray is not None:
@@ -190,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/Ctrl-C, time requests in flight get to finish while new ones get 503; a second "
                         "signal stops at once (default: 30)")
     v.add_argument("--max-context", type=int, default=None, help="longest sequence accepted (default: the model's)")
+    v.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="tokens one step may carry, prompt chunks and decode tokens together (MII's "
+                        "max_ragged_batch_size): smaller holds running streams less behind a long prompt, larger "
+                        "fills the machine (default: the engine plan's, from a matmul probe on CPU)")
     v.add_argument("--num-threads", type=int, default=None, help="CPU threads per engine process (default: cores / (replicas x tensor-parallel ranks))")
     v.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json", "mistral"],
                    help="format of the model's tool calls for tool_choice=auto (default: auto, from the chat template)")

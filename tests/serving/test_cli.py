@@ -1,6 +1,7 @@
 """`mii serve` as a newcomer runs it (README): the embedded default model, a streamed chat answer over HTTP,
 `mii.client` over gRPC, and SIGTERM taking every child process with it."""
 import json
+import re
 import subprocess
 import sys
 import time
@@ -25,7 +26,8 @@ def test_serve_default_model_then_sigterm(tmp_path):
     port, grpc_port, name = free_port(), free_port(), unique_name("test-cli")
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([MII, "serve", "--port", str(port), "--grpc-port", str(grpc_port), "--deployment-name",
-                             name], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             name, "--max-batch-tokens", "64"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     replica_pids = []
     try:
@@ -48,6 +50,9 @@ def test_serve_default_model_then_sigterm(tmp_path):
         text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
                        for line in lines[:-1] if json.loads(line[6:])["choices"])
         assert "Paris" in text
+
+        # the engine took the token budget asked for (its plan, logged by the replica)
+        assert re.search(r"token budget\s+64\b", (tmp_path / "serve.log").read_text())
 
         client = mii.client(name)
         replica_pids = [r["pid"] for r in client.record["replicas"]]
