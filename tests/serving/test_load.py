@@ -32,11 +32,23 @@ DRAIN_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def limited(tiny_model):
+def long_model(tmp_path_factory, tokenizer_dir) -> str:
+    """The tiny Llama with a context of 8,192 tokens, so that a LONG stream outlasts the waits below (1,000
+    tokens of the 1,024-token model took about a second, no longer than the drain)."""
+    from transformers import LlamaConfig
+
+    from tests.reference import TINY, tiny_checkpoint
+
+    cfg = LlamaConfig(vocab_size=49152, **{**TINY, "max_position_embeddings": 8192})
+    return str(tiny_checkpoint(cfg, tmp_path_factory.mktemp("tiny-llama-8k"), tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def limited(long_model):
     """Two replicas that each run one sequence at a time and let one more wait; an API key on HTTP; a short
     drain on terminate."""
     ie = {"state_manager": {**KV["state_manager"], "max_ragged_sequence_count": 1}}
-    client = mii.serve(tiny_model, deployment_name=unique_name("test-limited"), port_number=free_port(),
+    client = mii.serve(long_model, deployment_name=unique_name("test-limited"), port_number=free_port(),
                        replica_num=2, enable_restful_api=True, restful_api_port=free_port(), dtype="float32",
                        max_waiting_requests=1, api_key=KEY, drain_timeout=DRAIN_S, inference_engine_config=ie)
     yield client
@@ -50,10 +62,10 @@ def url(limited):
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
-LONG = {"max_new_tokens": 1000, "ignore_eos": True}  # ~1000 engine steps: runs for seconds at the least
+LONG = {"max_new_tokens": 8000, "ignore_eos": True}  # 8,000 engine steps: runs for several seconds at the least
 
 
-def test_api_key(url, tiny_model):
+def test_api_key(url, long_model):
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     r = httpx.get(f"{url}/v1/models", timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -61,7 +73,7 @@ def test_api_key(url, tiny_model):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    assert oai.completions.create(model=tiny_model, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert oai.completions.create(model=long_model, prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_burst_up_to_the_limit_is_accepted(limited):
