@@ -403,18 +403,19 @@ at::Tensor linear_output(at::Tensor y, const at::Tensor& x, const c10::optional<
     auto out = at::empty(y.sizes(), y.options().dtype(at::kBFloat16));
     const float* src = y.data_ptr<float>();
     at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+    const auto one = [&](int64_t i) { dst[i] = at::BFloat16(bp ? src[i] + bp[i % N] : src[i]); };
     for_elements(y.numel(), [&](int64_t s, int64_t e) {
       int64_t i = s;
 #ifdef MII_BF16_VEC
       if (N % 16 == 0) {  // runs of 16 that start at a multiple of 16: within one row of the bias
-        for (; i < e && i % 16; ++i) dst[i] = at::BFloat16(bp ? src[i] + bp[i % N] : src[i]);
+        for (; i < e && i % 16; ++i) one(i);
         for (; i + 16 <= e; i += 16) {
           const __m512 v = _mm512_loadu_ps(src + i);
           mii_vec::bf16_store(dst + i, bp ? _mm512_add_ps(v, _mm512_loadu_ps(bp + i % N)) : v);
         }
       }
 #endif
-      for (; i < e; ++i) dst[i] = at::BFloat16(bp ? src[i] + bp[i % N] : src[i]);
+      for (; i < e; ++i) one(i);
     });
     y = out;
   } else {
