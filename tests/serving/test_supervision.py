@@ -113,18 +113,25 @@ def test_fault_under_load(pressured, url, tiny_model):
         for j in range(6):
             await one(oai, stub, i, j)
 
-    async def killer():
+    async def victim_stats(stub):
+        return (await stub.EngineStats(empty_pb2.Empty(), timeout=10)).replicas[0]
+
+    async def killer(idle):
         while len(outcomes) < 24:  # a quarter of the load done: both replicas are busy
             await asyncio.sleep(0.01)
-        # Requests of equal length run in waves that end together, and an outcome marks the end of a wave: the
-        # victim may be between waves now, holding only requests that have not answered yet (those are retried on
-        # the other replica, not failed). Kill it once a running request of its own has had two steps.
+        # Requests of equal length run in waves that end together: the victim may be between waves now, holding only
+        # requests that have not answered yet (those are retried on the other replica, not failed). Every request
+        # makes exactly n tokens, so the tokens of the victim's unfinished sequences are its tokens since it was idle
+        # less n per finished sequence; kill it once they have some (an answered request), and on average at most
+        # half of theirs (not all about to finish).
         async with grpc.aio.insecure_channel(victim["address"]) as channel:
             victim_stub = pb2_grpc.ModelResponseStub(channel)
-            start = (await victim_stub.EngineStats(empty_pb2.Empty(), timeout=10)).replicas[0]
             for _ in range(2000):
-                s = (await victim_stub.EngineStats(empty_pb2.Empty(), timeout=10)).replicas[0]
-                if s.num_running and s.generation_tokens_total > start.generation_tokens_total + s.num_running:
+                s = await victim_stats(victim_stub)
+                live = s.num_running + s.num_waiting
+                finished = s.requests_total - idle.requests_total - live
+                live_tokens = s.generation_tokens_total - idle.generation_tokens_total - n * finished
+                if s.num_running and 1 <= live_tokens <= live * n // 2:
                     break
                 await asyncio.sleep(0.005)
         killed_at.append(time.monotonic())
@@ -141,7 +148,10 @@ def test_fault_under_load(pressured, url, tiny_model):
         async with grpc.aio.insecure_channel(pressured.address) as channel:
             oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
             stub = pb2_grpc.ModelResponseStub(channel)
-            kill = asyncio.create_task(killer())
+            async with grpc.aio.insecure_channel(victim["address"]) as victim_channel:
+                idle = await victim_stats(pb2_grpc.ModelResponseStub(victim_channel))
+            assert idle.num_running == idle.num_waiting == 0
+            kill = asyncio.create_task(killer(idle))
             await asyncio.wait_for(asyncio.gather(*(client(i, oai, stub) for i in range(16))), 300)  # none hangs
             return await kill
 
