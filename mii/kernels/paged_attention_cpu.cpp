@@ -5,8 +5,8 @@
 // block table, with an online softmax (flash-attention style, fp32 accumulation), causal, GQA, an optional
 // sliding window. No gathered copy of the blocks, no [S, L] mask. Work items are (sequence, kv head, tile of
 // queries, and for a decode row, part of the keys: see kSplitKeys); the query heads that share a kv head are
-// processed together, so each key row is loaded once for all of them, and the next block's rows are prefetched
-// while a block is computed.
+// processed together, so each key row is loaded once for all of them, and the blocks ahead are prefetched while a
+// block is computed (a thread claims its next item as it starts one, so that this runs across items too).
 // The cache is head-major, [blocks, kv_heads, block_size, d]: one kv head's keys of a block are one contiguous
 // run (4-8 KB) that the hardware prefetcher streams, where slot-major blocks made them 128-256-byte rows strided
 // by all the heads' (a single-stream decode step's attention: 28% less thread time, fp32). It may hold bf16 (or
@@ -202,13 +202,20 @@ inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t first, int
 // acc rows 0 .. R-1 (D floats each, permuted as above) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a
 // row does not see a key), each value widened once for the R rows
 template <int D, int R>
-inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t lo, int64_t hi) {
+inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t lo, int64_t hi,
+                        const uint16_t* pk = nullptr, const uint16_t* pv = nullptr) {
   constexpr int C = D / 16;
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
   for (int64_t j = lo; j < hi; ++j) {
+    if (pk) {  // key j's rows of a later block: spread over the loop, so that they never fill the miss queues
+      for (int e = 0; e < D; e += 32) {
+        __builtin_prefetch(pk + j * D + e);
+        __builtin_prefetch(pv + j * D + e);
+      }
+    }
     __m512 vv[C];
     for (int c = 0; c < C; c += 2) {
       const __m512i x = _mm512_loadu_si512(v + j * D + 16 * c);
@@ -224,18 +231,20 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint1
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
 }
 
-// every row's values, up to kRowsV rows at a time (their accumulators in registers)
+// every row's values, up to kRowsV rows at a time (their accumulators in registers); pk, pv: a later block's keys
+// and values, prefetched by the first rows' pass
 template <int D>
 inline void values_rows(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t rows, int64_t lo,
-                        int64_t hi) {
+                        int64_t hi, const uint16_t* pk, const uint16_t* pv) {
   constexpr int kRowsV = D == 64 ? 4 : 2;
   int64_t r = 0;
-  for (; r + kRowsV <= rows; r += kRowsV) values_bf16<D, kRowsV>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
+  for (; r + kRowsV <= rows; r += kRowsV, pk = pv = nullptr)
+    values_bf16<D, kRowsV>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
   if constexpr (kRowsV == 4) {
-    if (rows - r == 3) return values_bf16<D, 3>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
-    if (rows - r == 2) return values_bf16<D, 2>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
+    if (rows - r == 3) return values_bf16<D, 3>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
+    if (rows - r == 2) return values_bf16<D, 2>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
   }
-  if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi);
+  if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
 }
 #endif
 
@@ -310,6 +319,26 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   // (a prompt chunk's later tiles see more keys; sequences differ in length), and so can the threads' speeds
   const int64_t items = item_start[num_seqs];
   std::atomic<int64_t> next_item{0};
+  struct Where {  // an item: its sequence, kv head, query tile, part, and its blocks of keys
+    int64_t s = -1, ql = 0, kvh = 0, t0 = 0, part = 0, first_block = 0, blocks = 0;
+  };
+  auto where = [&](int64_t item) {
+    Where w;
+    w.s = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+    const int64_t local = item - item_start[w.s], np = parts[w.s];
+    w.ql = query_start[w.s + 1] - query_start[w.s];
+    const int64_t tiles = (w.ql + tile - 1) / tile;
+    w.kvh = local / (tiles * np), w.t0 = (local / np % tiles) * tile, w.part = local % np;
+    const int64_t pos = seq_lens[w.s] - w.ql + w.t0;  // the tile's first query sees the earliest keys
+    w.first_block = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) / B + w.part * part_blocks;
+    int64_t end = pos + std::min(tile, w.ql - w.t0);  // past the tile's last query's keys
+    if (np > 1) end = std::min(end, (w.first_block + part_blocks) * B);
+    w.blocks = (end + B - 1) / B - w.first_block;
+    return w;
+  };
+  auto block_base = [&](const Where& w, int64_t i) {  // where block i of an item starts in the caches
+    return (static_cast<int64_t>(tables[w.s * table_width + w.first_block + i]) * n_kv + w.kvh) * head_block;
+  };
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     const int64_t max_rows = std::min<int64_t>(kMaxRows, tile * group);
     // scaled queries and accumulators [rows, d], one block of keys/values as float [B, d], scores [rows, B]
@@ -318,12 +347,26 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           *sc = vb + B * d, *m = sc + max_rows * B, *l = m + max_rows;
     int64_t qpos[kMaxRows];
     const T* qrow[kMaxRows];
-    for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
-      const int64_t local = item - item_start[s];
-      const int64_t ql = query_start[s + 1] - query_start[s];
-      const int64_t tiles = (ql + tile - 1) / tile, np = parts[s];
-      const int64_t kvh = local / (tiles * np), t0 = (local / np % tiles) * tile, part = local % np;
+    // a thread claims its next item as it starts one, so that the last block of one item prefetches the first of
+    // the next (a decode row's part is a few blocks: its first one would otherwise wait for memory unhidden)
+    int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
+    int64_t next_ready = 0;  // how many of the next item's first blocks this one prefetched
+    auto prefetch_block = [&](int64_t base, int64_t n) {
+      for (int64_t e = 0; e < n; e += 64 / sizeof(C)) {
+        __builtin_prefetch(k_cache + base + e);
+        __builtin_prefetch(v_cache + base + e);
+      }
+    };
+    while (item < items) {
+      const int64_t upcoming = next_item.fetch_add(1, std::memory_order_relaxed);
+      const Where at = where(item), next_at = upcoming < items ? where(upcoming) : Where{};
+      item = upcoming;
+      const int64_t s = at.s, ql = at.ql, np = parts[s], kvh = at.kvh, t0 = at.t0, part = at.part;
+      if (in_place) {  // the item's first two blocks, those the item before did not prefetch
+        for (int64_t b = next_ready; b < std::min<int64_t>(2, at.blocks); ++b)
+          prefetch_block(block_base(at, b), head_block);
+        next_ready = 0;
+      }
       const int64_t nq = std::min(tile, ql - t0), rows = nq * group;
       const int64_t len = seq_lens[s], first_pos = len - ql;
       // rows are (query token, head in group); queries scaled, in fp32
@@ -351,14 +394,23 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
       for (int64_t j0 = first_block * B; j0 < hi; j0 += B) {  // one KV block at a time
         const int64_t base = (static_cast<int64_t>(table[j0 / B]) * n_kv + kvh) * head_block;
         const int64_t nk = std::min(B, hi - j0);
-        if (j0 + B < hi) {  // the next block's rows of this kv head (each 64-byte line), while this one is computed
-          const int64_t next = (static_cast<int64_t>(table[j0 / B + 1]) * n_kv + kvh) * head_block;
-          const int64_t n = std::min(B, hi - j0 - B) * d;
-          constexpr int64_t line = 64 / sizeof(C);
-          for (int64_t e = 0; e < n; e += line) {
-            __builtin_prefetch(k_cache + next + e);
-            __builtin_prefetch(v_cache + next + e);
+        // the blocks ahead, this item's then the next item's: where the blocks are read in place, the one two ahead,
+        // its lines spread over the values pass (a burst of them fills the miss queues and stalls the loop, so that
+        // memory and compute took turns); otherwise the next one, all at once, while this one is computed
+        const int64_t k = j0 / B - first_block;
+        const C* later_k = nullptr;
+        const C* later_v = nullptr;
+        if (in_place) {
+          int64_t later = -1;
+          if (k + 2 < at.blocks) {
+            later = block_base(at, k + 2);
+          } else if (next_at.s >= 0 && k + 2 - at.blocks < next_at.blocks) {
+            later = block_base(next_at, k + 2 - at.blocks);
+            next_ready = k + 3 - at.blocks;
           }
+          if (later >= 0) later_k = k_cache + later, later_v = v_cache + later;
+        } else if (j0 + B < hi) {
+          prefetch_block(block_base(at, k + 1), std::min(B, hi - j0 - B) * d);
         }
 #ifdef MII_ATTN_BF16
         if constexpr (in_place_bf16_type<T, C>()) {
@@ -379,8 +431,18 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
             }
             if (hi_j > lo_j) {
-              if (d == 64) values_rows<64>(acc, sc, B, vr, rows, lo_j, hi_j);
-              else values_rows<128>(acc, sc, B, vr, rows, lo_j, hi_j);
+              const auto* pk = reinterpret_cast<const uint16_t*>(later_k);
+              const auto* pv = reinterpret_cast<const uint16_t*>(later_v);
+              if (d == 64) values_rows<64>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
+              else values_rows<128>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
+            }
+            if (later_k && (hi_j <= lo_j || hi_j - lo_j < B)) {  // the lines the values pass did not prefetch
+              const int64_t a = hi_j > lo_j ? lo_j : 0, b = hi_j > lo_j ? hi_j : 0;
+              for (int64_t e = 0; e < B * d; e += 64 / sizeof(C)) {
+                if (e / d >= a && e / d < b) continue;
+                __builtin_prefetch(later_k + e);
+                __builtin_prefetch(later_v + e);
+              }
             }
             continue;
           }
