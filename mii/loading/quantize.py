@@ -3,8 +3,9 @@
 
 - **What**: every linear (`LinearBase`: fused q/k/v, o, gate/up, down, and the other families' projections).
   The LM head (and an embedding tied to it) takes a GGUF's own blocks where they map (SmolLM2's Q8_0: exact,
-  where bf16 rounds the file's values, and at one row 1.5x faster than bf16 through mii::linear_quant), else
-  stays in the weight dtype: every logit goes through it, so it is where quantization error would show most.
+  where bf16 rounds the file's values, and at one row 1.5x faster than bf16 through mii::linear_quant; Q8_0 also
+  under an explicit int4, as finer than asked), else stays in the weight dtype: every logit goes through it, so
+  it is where quantization error would show most.
   Kept in the weight dtype: an untied embedding (a step reads a few of its rows, not the matrix), norms, biases,
   MoE routers (they pick the experts, and are tiny) and MoE experts (stacked tensors the fused MoE layer
   multiplies itself). The KV cache and the activations keep the model's dtype.
@@ -198,7 +199,9 @@ class Quantizer:
             return None
         schemes = {INT8 if f == "Q8_0" else INT4 for f in fmts}
         wanted = self.spec.scheme
-        if len(schemes) != 1 or (wanted is not None and schemes != {wanted}):
+        # the LM head keeps Q8_0 under int4 too: the file's own values, 8 bits where int4 would lose some
+        finer = lm_head and schemes == {INT8}
+        if len(schemes) != 1 or (wanted is not None and schemes != {wanted} and not finer):
             return None
         n, k = param.shape
         if k % GGUF_GROUP or n % 2:

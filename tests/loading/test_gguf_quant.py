@@ -11,7 +11,7 @@ import torch
 
 import mii
 from mii.layers.linear import LinearBase
-from mii.layers.quant import dequantize, pack_int4, pack_int8, scheme
+from mii.layers.quant import dequantize, group_size, pack_int4, pack_int8, scheme
 from mii.loading import gguf_blocks, load_model, resolve_source
 from mii.loading.quantize import QuantSpec
 from mii.parallel import set_tp
@@ -191,7 +191,8 @@ def test_pipeline_matches_transformers_on_its_weights(path):
 
 def test_explicit_scheme_keeps_the_blocks_that_map_to_it(path):
     """quantization="int4" on a GGUF: the Q4_0/Q4_1 linears keep the file's blocks (exact, groups of 32), the others
-    are quantized to int4 in groups of 64 from the file's values."""
+    are quantized to int4 in groups of 64 from the file's values; the tied LM head keeps its Q8_0 blocks (finer
+    than int4, and the file's values)."""
     ref = linears(load(path, None).model)
     got = load(path, QuantSpec("int4", 64))
     w = linears(got.model)
@@ -203,3 +204,6 @@ def test_explicit_scheme_keeps_the_blocks_that_map_to_it(path):
         step = (r.amax(-1, keepdim=True) - r.amin(-1, keepdim=True)) / 15
         assert ((dequantize(w[name]).view_as(r) - r).abs() <= step * 0.51 + 1e-6).all(), name
     assert got.quantization.quantized["int4 g64"] > 0 and got.quantization.kept_raw
+    head = got.model.lm_head.weight
+    assert got.quantization.lm_head == "Q8_0" and scheme(head) == "int8" and group_size(head) == 32
+    assert torch.equal(dequantize(head), load(path, None).model.lm_head.weight)
