@@ -31,6 +31,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -504,10 +505,11 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 // Each task unpacks up to kVnniTiles tiles of 16 weight rows into L2. Word pair (chunk c, b) of a tile holds, for
 // each of its 16 rows, the integer weights 32c + b and 32c + b + 16 (the two nibbles of an int4 byte), so that one
 // instruction multiplies all 16 rows by x's pair of those columns (broadcast), each row into its own lane:
-// - bf16 x (CPUs with AVX512-BF16, where the plan computes in bf16): the integers as bf16, which holds them exactly,
-//   and `vdpbf16ps`: bf16 products are exact in fp32, so a group's sum is x times the weights' integers up to fp32
-//   summation, scaled once by the group's weight scale; int4's offsets add m * sum(x) per group. No rounding of
-//   the weights or of x: the values the file holds, times x.
+// - bf16 x (CPUs with AVX512-BF16, where the plan computes in bf16): the integers as bf16, which holds them exactly
+//   (int4: 128 + q, whose bf16 bits 0x4300 | q the unpacking's byte permutation writes directly), and `vdpbf16ps`:
+//   bf16 products are exact in fp32, so a group's sum is x times the weights' integers up to fp32 summation, scaled
+//   once by the group's weight scale; int4's offsets add (m - 128 s) * sum(x) per group. No rounding of the weights
+//   or of x: the values the file holds, times x.
 // - fp32 x, or `act8`: x rounded per chunk to int16 (or int8) as the decode path rounds it, the integers as int16,
 //   and `vpdpwssd`: a chunk's sums are exact int32, scaled once (x's scale times the weight scale), the decode
 //   path's arithmetic up to fp32 summation order.
@@ -545,7 +547,7 @@ struct XPairs {
     gsum.assign(M * groups, 0.f);
     if (!bf16) scale.resize(M * chunks);
     const at::Tensor xf = bf16 ? x : x.to(at::kFloat).contiguous();
-    at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, M, 32, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) {
         int32_t* out = &q[m * (K / 2)];
         for (int64_t c = 0; c < chunks; ++c, out += 16) {
@@ -583,7 +585,7 @@ struct XPairs {
 
 // byte permutations for int4 chunks (vpermt2b indexes): see unpack_int4
 struct Int4Perm {
-  alignas(64) uint8_t a[2][64], o[2][64], p[4][64];
+  alignas(64) uint8_t a[2][64], o[2][64], p[4][64], pb[4][64];
   Int4Perm() {
     for (int h = 0; h < 2; ++h)
       for (int e = 0; e < 64; ++e) {
@@ -593,8 +595,10 @@ struct Int4Perm {
         o[h][e] = static_cast<uint8_t>((r < 8 ? 0 : 64) + (bb + 4 * h) * 8 + r % 8);
       }
     for (int j = 0; j < 4; ++j)
-      for (int e = 0; e < 64; ++e)  // lane n: [low nibble of row n, 0, high nibble, 0]
+      for (int e = 0; e < 64; ++e) {  // lane n: [low nibble of row n, 0, high nibble, 0]; pb: 0x43 for the zeros
         p[j][e] = static_cast<uint8_t>(e % 4 == 0 ? j * 16 + e / 4 : e % 4 == 2 ? 64 + j * 16 + e / 4 : 0);
+        pb[j][e] = e % 2 ? 0x43 : p[j][e];
+      }
   }
 };
 
@@ -619,14 +623,13 @@ inline void unpack_int4(const uint8_t* const* src, bool bf16, __m512i* out) {
     o[2 + h] = _mm512_permutex2var_epi8(a[1], io, a[3]);  // columns 8 + 4h ..
   }
   const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
-                                         0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-                                         0x4040, 0x4000, 0x3F80, 0);  // bf16 of 0 .. 15
   for (int q = 0; q < 4; ++q) {
     const __m512i lo = _mm512_and_si512(o[q], low4), hi = _mm512_and_si512(_mm512_srli_epi16(o[q], 4), low4);
     for (int j = 0; j < 4; ++j) {
-      __m512i v = _mm512_maskz_permutex2var_epi8(0x5555555555555555ULL, lo, _mm512_load_si512(P.p[j]), hi);
-      if (bf16) v = _mm512_permutexvar_epi16(v, table);
+      // bf16: 0x4300 | n is the bf16 of 128 + n (exact: 8 bits), its high byte kept from the index where the
+      // mask leaves it; the tile's offsets take the 128 back (unpack_tile)
+      const __m512i v = bf16 ? _mm512_mask2_permutex2var_epi8(lo, _mm512_load_si512(P.pb[j]), 0x5555555555555555ULL, hi)
+                             : _mm512_maskz_permutex2var_epi8(0x5555555555555555ULL, lo, _mm512_load_si512(P.p[j]), hi);
       _mm512_store_si512(out + 4 * q + j, v);
     }
   }
@@ -686,6 +689,9 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
       const uint8_t* b = blk[n / 2];
       sw[n] = b ? half_to_float(b + 2 * (n % 2)) : 0.f;
       mw[n] = b && L.int4 ? half_to_float(b + 4 + 2 * (n % 2)) : 0.f;
+      // bf16 int4 tiles hold 128 + q (unpack_int4): s (128 + q) + (m - 128 s) = s q + m; m - 128 s is exact in
+      // fp32 while |m| is within 2^13 of 128 s (a file's groups: |m| ~ 8 s), else rounded at 2^-24 of 128 s
+      if (bf16 && L.int4) mw[n] -= 128.f * sw[n];
     }
     for (int64_t c = 0; c < cpg; ++c) {
       __m512i* out = tile + (g * cpg + c) * 16;
@@ -798,9 +804,12 @@ void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t M = x.size(0), N = L.N(), K = L.K();
   const XPairs X(x, L.G, act8 && L.int4);
-  // each thread an even share of the 16-row tiles, in blocks of up to kVnniTiles
-  const int64_t tiles = (N + 15) / 16, threads = std::min<int64_t>(at::get_num_threads(), tiles);
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+  // tasks of kVnniTiles 16-row tiles, taken one at a time from a shared counter: threads that run at different
+  // speeds (a shared machine) end together, where even shares of the tiles left one waiting at the barrier
+  const int64_t tiles = (N + 15) / 16, tasks = (tiles + kVnniTiles - 1) / kVnniTiles;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // per thread, kept between calls: freed, glibc would hand the pages back and fault them in again every call
     thread_local std::vector<__m512i> data;
     thread_local std::vector<float> sw, mw;
@@ -808,19 +817,16 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
     sw.resize(std::max<size_t>(sw.size(), kVnniTiles * L.groups * 16));
     mw.resize(sw.size());
     const Tiles T{data.data(), sw.data(), mw.data(), K / 2, L.groups * 16};
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t end = (i + 1) * tiles / threads;
-      for (int64_t t0 = i * tiles / threads; t0 < end; t0 += kVnniTiles) {
-        const int64_t nt = std::min(kVnniTiles, end - t0);
-        for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t t0 = task * kVnniTiles, nt = std::min(kVnniTiles, tiles - t0);
+      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
 #ifdef MII_QBF16
-        if (X.bf16) {
-          vnni_tiles<__m512>(X, M, K, L, T, nt, y, N, t0 * 16);
-          continue;
-        }
-#endif
-        vnni_tiles<__m512i>(X, M, K, L, T, nt, y, N, t0 * 16);
+      if (X.bf16) {
+        vnni_tiles<__m512>(X, M, K, L, T, nt, y, N, t0 * 16);
+        continue;
       }
+#endif
+      vnni_tiles<__m512i>(X, M, K, L, T, nt, y, N, t0 * 16);
     }
   });
 }
