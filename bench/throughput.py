@@ -5,8 +5,8 @@ from an empty context (1-token prompt, 128 new: llama-bench's tg128); prefill of
 the same W64 and single stream through the torch reference backends (MII_KERNELS=0) in the same run, so
 the kernels' gain is a same-run ratio. With `--compare-quant`, the embedded model's weights three ways in the
 same run — bf16 (quantization="none", dequantized), int8 (quantized at load) and int4 (its GGUF's own blocks,
-the default) — each with its W64, single-stream decode and the resident memory its load added. Ratios are the
-result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
+the default) — each with its W64, single-stream decode and the resident memory its load adds (in a fresh
+process). Ratios are the result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
 llama.cpp's own pp512, tg128 and tg256 @ d128 (our single stream's work) on the same GGUF file and cores in the
 same run, and on its BF16 re-quantization
 when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them).
@@ -124,21 +124,37 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
-def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
-    """W64, single stream and resident memory of the embedded model as int4 (its GGUF's blocks), int4 with int8
-    activations (quantize_activations), int8 and bf16, one after the other in this process: smallest first, so
-    that memory freed by one and reused by the next can only make the larger ones look smaller."""
-    import ctypes
-    import gc
+LOAD_RSS = """
+import sys, mii
+from bench.throughput import resident_bytes
+before = resident_bytes()
+pipe = mii.pipeline(dtype=sys.argv[1], num_threads=int(sys.argv[2]), quantization=sys.argv[3],
+                    quantize_activations=sys.argv[4] == "1")
+print(resident_bytes() - before)
+"""
 
+
+def load_resident(dtype: str, threads: int, q: str, act8: bool) -> int:
+    """The resident bytes a load of the embedded model adds, in a fresh process (in this one, what an earlier
+    pipeline freed is handed back or reused during the next load, so that a delta here can even be negative)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", LOAD_RSS, dtype, str(threads), q, "1" if act8 else "0"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"measuring the resident memory of quantization={q!r} failed:\n{p.stderr[-2000:]}")
+    return int(p.stdout.strip().splitlines()[-1])
+
+
+def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
+    """W64 and single stream of the embedded model as int4 (its GGUF's blocks), int4 with int8 activations
+    (quantize_activations), int8 and bf16, one after the other in this process; the resident memory each load
+    adds, each in a fresh process."""
     out = {}
     for q, act8, label in (("auto", False, "int4"), ("auto", True, "int4 a8"), ("int8", False, "int8"),
                            ("none", False, "bf16")):
-        gc.collect()  # what an earlier pipeline left (its KV cache) is freed before, not during, this load
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = resident_bytes()
+        grown = load_resident(dtype, threads, q, act8)
         pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8)
-        grown = resident_bytes() - before
         r = measure(pipe, prompts, outputs, f"mii {label}")
         r.update(rss_mb=grown / 1e6, weights_mb={k: v / 1e6 for k, v in pipe.engine_plan.weight_bytes.items()},
                  plan=pipe.engine_plan.quantization)
