@@ -57,3 +57,12 @@ def llama_bench(binary: Path, gguf: Path, threads: int, types: tuple = (), repea
                 row[name] = float(test["avg_ts"])
         results[ftype] = row
     return results
+
+
+def llama_decode(binary: Path, gguf: Path, threads: int, new: int = 256, depth: int = 128) -> float:
+    """llama-bench's generation rate (tok/s) of `new` tokens after a `depth`-token context, one repetition: the
+    single measurement that `bench/throughput.py` alternates with its own decode."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(new), "-d", str(depth),
+                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True, timeout=900)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+

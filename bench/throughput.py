@@ -9,7 +9,8 @@ the default) — each with its W64, single-stream decode and the resident memory
 process). Ratios are the result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
 llama.cpp's own pp512, tg128 and tg256 @ d128 (our single stream's work) on the same GGUF file and cores in the
 same run, and on its BF16 re-quantization
-when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them).
+when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them); then our decode and its
+tg256 @ d128 alternated pair by pair, three times for int4 and for bf16, whose median pair is the ratio to quote.
 
     .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--compare-quant]
                                          [--llama-bench PATH] [--requests 64] [--json results.json] [--plot w64.png]
@@ -166,6 +167,28 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
     return out
 
 
+def decode_duel(binary: Path, files: dict, dtype: str, threads: int, rounds: int = 3) -> dict:
+    """Single-stream decode (128-token prompt, 256 new) alternated with llama-bench's tg256 @ d128 on the same
+    weights, pair by pair, so that the machine's drift over the run (up to 30% between minutes on a shared one)
+    does not fall between the two sides: {label: {"mii": [tok/s], "llama.cpp": [tok/s]}}. `files`: label ->
+    (quantization, the GGUF llama.cpp reads)."""
+    from bench.peers import llama_decode
+
+    pipes = {label: mii.pipeline(dtype=dtype, num_threads=threads, quantization=q) for label, (q, _) in files.items()}
+    out = {label: {"mii": [], "llama.cpp": []} for label in files}
+    try:
+        for p in pipes.values():
+            single_stream(p, new_tokens=32)  # warm-up
+        for _ in range(rounds):
+            for label, (_, gguf) in files.items():
+                out[label]["mii"].append(single_stream(pipes[label])[1])
+                out[label]["llama.cpp"].append(llama_decode(binary, gguf, threads))
+    finally:
+        for p in pipes.values():
+            p.destroy()
+    return out
+
+
 def measure(pipe, prompts, outputs, label: str) -> dict:
     run_w64(pipe, [fresh_prompt(len(p)) for p in prompts[:4]], [8] * min(4, len(prompts)))  # warm-up, not W64's prompts
     r = {"w64": run_w64(pipe, prompts, outputs)}
@@ -231,7 +254,7 @@ def main():
         other.destroy()
     if args.compare_quant:
         results["quant"] = compare_quant(args.dtype, threads, prompts, outputs)
-    llama = None
+    llama = duel = None
     if args.llama_bench is not None:
         from bench.peers import find_llama_bench, llama_bench
 
@@ -242,6 +265,13 @@ def main():
         for ftype, row in llama.items():
             print(f"{'llama.cpp':<14} {ftype if ftype != 'file' else 'GGUF as shipped'}: pp512 {row['pp512']:6.0f} "
                   f"tok/s, tg128 {row['tg128']:6.1f} tok/s, tg256 @ d128 {row['tg256@d128']:6.1f} tok/s", flush=True)
+        files = {"int4": ("auto", Path(llama["file"]["file"]))}
+        if "BF16" in llama:
+            files["bf16"] = ("none", Path(llama["BF16"]["file"]))
+        duel = decode_duel(binary, files, args.dtype, threads)
+        for label, d in duel.items():
+            print(f"{'alternated':<14} {label}: mii {' '.join(f'{x:.1f}' for x in d['mii'])} / llama.cpp "
+                  f"{' '.join(f'{x:.1f}' for x in d['llama.cpp'])} tok/s (128 + 256 tokens, pair by pair)", flush=True)
     hf = None
     if not args.skip_hf:
         hf = run_hf(mii.default_model(), prompts, outputs, dtype)
@@ -289,6 +319,11 @@ def main():
             print("  (int4 a8: quantize_activations, int8-rounded inputs as llama.cpp's Q8 activations)")
         if "BF16" in llama and "quant" in results:
             versus("vs llama.cpp, bf16", results["quant"]["bf16"], llama["BF16"])
+        for label, d in duel.items():
+            pairs = sorted(m / l for m, l in zip(d["mii"], d["llama.cpp"]))
+            print(f"  decode vs llama.cpp, {label:<4} {pairs[len(pairs) // 2]:.2f}x, alternated pair by pair (each pair: "
+                  f"{', '.join(f'{x:.2f}x' for x in pairs)}; median mii {np.median(d['mii']):.1f} vs "
+                  f"{np.median(d['llama.cpp']):.1f} tok/s)")
     print(f"  time to first token       {r['ttft'] * 1000:7.0f} ms (128-token prompt)")
     print(f"  pp512                     {r['pp512']:7.0f} tok/s")
     if cold is not None:
@@ -303,7 +338,8 @@ def main():
               "threads": threads, "plan": {"dtype": plan.dtype, "weights": plan.weight_dtype,
                                            "attention": plan.attention, "linears": plan.linear_backend},
               "floors": {"w64_s": floor, "decode_tok_s": bw_floor}, "systems": systems,
-              "startup_s": {"cold": cold, "warm": warm}, "llama.cpp": llama}
+              "startup_s": {"cold": cold, "warm": warm}, "llama.cpp": llama,
+              "decode_alternated": duel}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
