@@ -28,10 +28,33 @@ PLACED_S = 120.0
 """Longest a replica may take to be placed and loaded (a few seconds on an idle machine)."""
 
 
+NODE_START_S = 120.0
+"""Longest a node's raylet may take to register. Ray allows 30 s, not configurable (ray/_private/node.py); with the
+rest of the suite's processes on a loaded 2-core machine the head node took longer ('The current node timed out
+during startup', every test of the module failing with it)."""
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    second = c.add_node(num_cpus=2)
+    services = ray._private.services
+    get_node = services.get_node
+
+    def patient_get_node(*args, **kwargs):  # Ray's own wait loop sees one call that waits longer itself
+        deadline = time.monotonic() + NODE_START_S
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    services.get_node = patient_get_node
+    try:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        second = c.add_node(num_cpus=2)
+    finally:
+        services.get_node = get_node
     c.wait_for_nodes()
     ray.init(address=c.address, namespace="mii-tests", log_to_driver=False)
     yield c, second
