@@ -164,9 +164,11 @@ class EngineLoop:
                 by_sink.setdefault(id(sink), (sink, []))[1].append(o)
                 if o.finished:
                     del self._sinks[o.uid]
+            # the stats first: a client that has this step's tokens then sees at least this step's stats (a loaded
+            # machine could run a client's EngineStats between the two, which answered with the step before's)
+            self.stats = self._snapshot()
             for sink, group in by_sink.values():
                 sink.put("out", group)
-            self.stats = self._snapshot()
 
 
 class ReplicaServicer(pb2_grpc.ModelResponseServicer):

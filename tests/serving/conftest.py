@@ -120,6 +120,18 @@ def tiny_model(tmp_path_factory, tokenizer_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_model(tmp_path_factory, tokenizer_dir) -> str:
+    """The tiny Llama with a context of 8,192 tokens, for streams that must outlast a test's waits (1,000 tokens of
+    the 1,024-token model take about a second)."""
+    from transformers import LlamaConfig
+
+    from tests.reference import TINY, tiny_checkpoint
+
+    cfg = LlamaConfig(vocab_size=49152, **{**TINY, "max_position_embeddings": 8192})
+    return str(tiny_checkpoint(cfg, tmp_path_factory.mktemp("tiny-llama-8k"), tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
 def deployment(tiny_model):
     import mii
 

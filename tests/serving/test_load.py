@@ -32,18 +32,6 @@ DRAIN_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def long_model(tmp_path_factory, tokenizer_dir) -> str:
-    """The tiny Llama with a context of 8,192 tokens, so that a LONG stream outlasts the waits below (1,000
-    tokens of the 1,024-token model took about a second, no longer than the drain)."""
-    from transformers import LlamaConfig
-
-    from tests.reference import TINY, tiny_checkpoint
-
-    cfg = LlamaConfig(vocab_size=49152, **{**TINY, "max_position_embeddings": 8192})
-    return str(tiny_checkpoint(cfg, tmp_path_factory.mktemp("tiny-llama-8k"), tokenizer_dir))
-
-
-@pytest.fixture(scope="module")
 def limited(long_model):
     """Two replicas that each run one sequence at a time and let one more wait; an API key on HTTP; a short
     drain on terminate."""
