@@ -48,9 +48,7 @@ def llama_bench(binary: Path, gguf: Path, threads: int, types: tuple = (), repea
             continue
         row = {"file": str(path)}
         for args in (["-p", "512", "-n", "128"], ["-p", "0", "-n", "256", "-d", "128"]):
-            out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), *args, "-r", str(repeat),
-                                  "-o", "json"], check=True, capture_output=True, text=True, timeout=900)
-            for test in json.loads(out.stdout):
+            for test in _run(binary, path, threads, args, repeat):
                 name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
                 if test.get("n_depth"):
                     name += f"@d{test['n_depth']}"
@@ -62,7 +60,12 @@ def llama_bench(binary: Path, gguf: Path, threads: int, types: tuple = (), repea
 def llama_decode(binary: Path, gguf: Path, threads: int, new: int = 256, depth: int = 128) -> float:
     """llama-bench's generation rate (tok/s) of `new` tokens after a `depth`-token context, one repetition: the
     single measurement that `bench/throughput.py` alternates with its own decode."""
-    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(new), "-d", str(depth),
-                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True, timeout=900)
-    return float(json.loads(out.stdout)[0]["avg_ts"])
+    return float(_run(binary, gguf, threads, ["-p", "0", "-n", str(new), "-d", str(depth)], 1)[0]["avg_ts"])
+
+
+def _run(binary: Path, gguf: Path, threads: int, args: list, repeat: int) -> list:
+    """llama-bench's JSON results (one per test) for `args` on `gguf`."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), *args, "-r", str(repeat), "-o", "json"],
+                         check=True, capture_output=True, text=True, timeout=900)
+    return json.loads(out.stdout)
 
