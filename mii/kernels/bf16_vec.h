@@ -1,7 +1,8 @@
 // bf16 <-> fp32 for 16 values at a time (AVX-512), with c10::BFloat16's arithmetic: a bf16 is the upper half of
 // its fp32, and fp32 -> bf16 rounds to nearest even (NaN -> 0x7FC0), as torch rounds. Integer operations only, so
 // -ffast-math cannot change them, and denormals round like any other value (AVX512-BF16's vcvtneps2bf16 flushes
-// them). Included by the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
+// them). And a 16 x 16 transpose of 32-bit lanes (the int4 GEMM's tiles, attention's keys as pairs). Included by
+// the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -36,6 +37,29 @@ inline void bf16_store(void* p, __m512 v) {
 // v as bf16 would hold it, back in fp32 (the eager code's rounding to the model dtype between two ops)
 inline __m512 bf16_rounded(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+}
+
+// r[n] lane b -> out[b] lane n (a 16 x 16 transpose of 32-bit elements)
+inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: element 4L + j of rows 4i .. 4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    _mm512_store_si512(out + j, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_store_si512(out + 8 + j, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_store_si512(out + 4 + j, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_store_si512(out + 12 + j, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
 }
 
 }  // namespace mii_vec

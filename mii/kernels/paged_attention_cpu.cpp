@@ -200,6 +200,63 @@ inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t first, int
   }
 }
 
+// A prompt tile's scores, where many rows meet the same keys: the block's keys as pairs of values, kt[g * D/2 + i]
+// lane u = key 16g + u's values 2i and 2i + 1 (keys from nk on, and a last odd group, zero), so that `vdpbf16ps`
+// of a broadcast pair of a query's values gives 16 keys' sums in their own lanes: no reduction per key (sum16:
+// 45 shuffles and adds per row and 16 keys), two 16 x 16 transposes per 16 keys shared by all the tile's rows.
+template <int D>
+inline void keys_as_pairs(const uint16_t* k, int64_t nk, __m512i* kt) {
+  constexpr int P = D / 2;
+  const int64_t groups = (nk + 31) / 32 * 2;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int c = 0; c < P / 16; ++c) {
+      __m512i r[16];
+      for (int u = 0; u < 16; ++u)
+        r[u] = 16 * g + u < nk ? _mm512_loadu_si512(k + (16 * g + u) * D + 32 * c) : _mm512_setzero_si512();
+      mii_vec::transpose16(r, kt + g * P + 16 * c);
+    }
+}
+
+// out[r * ostride + j] = scale * q_r . k[j] for R rows and every key j < 16 * groups (kt: keys_as_pairs), two
+// groups at a time (2R independent sums); the caller masks what a row does not see
+template <int D, int R>
+inline void scores_rows_bf16(const uint16_t* const* q, const __m512i* kt, int64_t groups, float scale, float* out,
+                             int64_t ostride) {
+  constexpr int P = D / 2;
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int32_t* qp[R];
+  for (int r = 0; r < R; ++r) qp[r] = reinterpret_cast<const int32_t*>(q[r]);
+  for (int64_t g = 0; g < groups; g += 2) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int i = 0; i < P; ++i) {
+      const __m512bh w0 = (__m512bh)_mm512_load_si512(kt + g * P + i);
+      const __m512bh w1 = (__m512bh)_mm512_load_si512(kt + (g + 1) * P + i);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(qp[r][i]);
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, x);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, x);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * ostride + 16 * g, _mm512_mul_ps(a[r][0], sv));
+      if (g + 1 < groups) _mm512_storeu_ps(out + r * ostride + 16 * (g + 1), _mm512_mul_ps(a[r][1], sv));
+    }
+  }
+}
+
+template <int D>
+inline void scores_tile_bf16(const uint16_t* const* q, int64_t rows, const __m512i* kt, int64_t groups, float scale,
+                             float* out, int64_t ostride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) scores_rows_bf16<D, 4>(q + r, kt, groups, scale, out + r * ostride, ostride);
+  switch (rows - r) {
+    case 3: scores_rows_bf16<D, 3>(q + r, kt, groups, scale, out + r * ostride, ostride); break;
+    case 2: scores_rows_bf16<D, 2>(q + r, kt, groups, scale, out + r * ostride, ostride); break;
+    case 1: scores_rows_bf16<D, 1>(q + r, kt, groups, scale, out + r * ostride, ostride); break;
+  }
+}
+
 // acc rows 0 .. R-1 (D floats each, permuted as above) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a
 // row does not see a key), each value widened once for the R rows
 template <int D, int R>
@@ -369,6 +426,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           *sc = vb + B * d, *m = sc + max_rows * B, *l = m + max_rows;
     int64_t qpos[kMaxRows];
     const T* qrow[kMaxRows];
+#ifdef MII_ATTN_BF16
+    // a prompt tile's block of keys as pairs (keys_as_pairs): an even number of 16-key groups, d / 2 pairs each
+    std::vector<__m512i> kt(in_place ? (B + 31) / 32 * 2 * (d / 2) : 0);
+#endif
     // a thread claims its next item as it starts one, so that the last block of one item prefetches the first of
     // the next (a decode row's part is a few blocks: its first one would otherwise wait for memory unhidden)
     int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
@@ -443,15 +504,35 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             const auto* kr = reinterpret_cast<const uint16_t*>(k_cache + base);
             const auto* vr = reinterpret_cast<const uint16_t*>(v_cache + base);
             int64_t lo_j = nk, hi_j = 0;  // the keys some row sees
+            const bool tiled = nq > 1 && B % 16 == 0;  // a prompt tile: every row's scores at once, then masked
+            if (tiled) {
+              const int64_t groups = (nk + 15) / 16;
+              const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
+              if (d == 64) {
+                keys_as_pairs<64>(kr, nk, kt.data());
+                scores_tile_bf16<64>(qs, rows, kt.data(), groups, fscale, sc, B);
+              } else {
+                keys_as_pairs<128>(kr, nk, kt.data());
+                scores_tile_bf16<128>(qs, rows, kt.data(), groups, fscale, sc, B);
+              }
+            }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
               const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
               float* sr = sc + r * B;
-              std::fill(sr, sr + nk, 0.f);
-              if (last <= first) continue;
-              const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
-              if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
-              else scores_bf16<128>(qr, kr, first, last, fscale, sr);
+              if (last <= first) {
+                std::fill(sr, sr + nk, 0.f);
+                continue;
+              }
+              if (tiled) {
+                std::fill(sr, sr + first, 0.f);
+                std::fill(sr + last, sr + nk, 0.f);
+              } else {
+                std::fill(sr, sr + nk, 0.f);
+                const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
+                if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
+                else scores_bf16<128>(qr, kr, first, last, fscale, sr);
+              }
               softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
               lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
             }
