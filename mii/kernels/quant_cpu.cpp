@@ -40,6 +40,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+
+#include "bf16_vec.h"
 #define MII_QAVX2 1
 #endif
 #if defined(MII_QAVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -645,35 +647,23 @@ inline __m512i int8_lanes(const uint8_t* src, bool bf16) {
   return _mm512_or_si512(_mm512_srli_epi32(flo, 16), _mm512_and_si512(fhi, _mm512_set1_epi32(int32_t(0xFFFF0000))));
 }
 
-// r[n] lane b -> out[b] lane n (a 16 x 16 transpose of 32-bit elements)
-inline void transpose16(const __m512i* r, __m512i* out) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: element 4L + j of rows 4i .. 4i+3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-    _mm512_store_si512(out + j, _mm512_shuffle_i32x4(v0, w0, 0x88));
-    _mm512_store_si512(out + 8 + j, _mm512_shuffle_i32x4(v0, w0, 0xDD));
-    _mm512_store_si512(out + 4 + j, _mm512_shuffle_i32x4(v1, w1, 0x88));
-    _mm512_store_si512(out + 12 + j, _mm512_shuffle_i32x4(v1, w1, 0xDD));
-  }
-}
-
 // unpacked tiles: tile t's pair (chunk, b) at data[t * stride + chunk * 16 + b]; its rows' weight scales and
 // offsets (fp32, 0 past the last row) at sw / mw[t * sstride + group * 16 + row]
 struct Tiles {
   __m512i* data;
   float *sw, *mw;
   int64_t stride, sstride;
+};
+
+// 16-bit element indexes of a tile's 16 rows' scales (s) and offsets (m) in its 8 pairs' headers (unpack_tile)
+struct HeaderPerm {
+  alignas(64) uint16_t s[32], m[32];
+  HeaderPerm() {
+    for (int n = 0; n < 32; ++n) {
+      s[n] = static_cast<uint16_t>(n < 16 ? 4 * (n / 2) + n % 2 : 0);
+      m[n] = static_cast<uint16_t>(n < 16 ? 4 * (n / 2) + 2 + n % 2 : 0);
+    }
+  }
 };
 
 // the 16 rows of pairs p0 .. p0+7 (those past L.pairs are zero) -> tile t
@@ -683,16 +673,23 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
   for (int64_t g = 0; g < L.groups; ++g) {
     const uint8_t* blk[8];
     for (int p = 0; p < 8; ++p) blk[p] = p < np ? w + (p0 + p) * pair_bytes + g * L.block : nullptr;
-    float* sw = T.sw + t * T.sstride + g * 16;
-    float* mw = T.mw + t * T.sstride + g * 16;
-    for (int n = 0; n < 16; ++n) {
-      const uint8_t* b = blk[n / 2];
-      sw[n] = b ? half_to_float(b + 2 * (n % 2)) : 0.f;
-      mw[n] = b && L.int4 ? half_to_float(b + 4 + 2 * (n % 2)) : 0.f;
-      // bf16 int4 tiles hold 128 + q (unpack_int4): s (128 + q) + (m - 128 s) = s q + m; m - 128 s is exact in
-      // fp32 while |m| is within 2^13 of 128 s (a file's groups: |m| ~ 8 s), else rounded at 2^-24 of 128 s
-      if (bf16 && L.int4) mw[n] -= 128.f * sw[n];
+    // the 8 pairs' fp16 headers (s_a, s_b, m_a, m_b: halves 4p .. 4p+3 of one vector; zero past the last pair)
+    // -> row n's scale and offset, 16 rows a vector
+    __m512i hdr = _mm512_setzero_si512();
+    for (int p = 0; p < np; ++p) {
+      int64_t h;
+      std::memcpy(&h, blk[p], 8);
+      hdr = _mm512_mask_set1_epi64(hdr, __mmask8(1u << p), h);
     }
+    static const HeaderPerm H;
+    const __m512 sv = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(H.s), hdr)));
+    __m512 mv = L.int4 ? _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(H.m), hdr)))
+                       : _mm512_setzero_ps();
+    // bf16 int4 tiles hold 128 + q (unpack_int4): s (128 + q) + (m - 128 s) = s q + m; m - 128 s is exact in fp32
+    // while |m| is within 2^13 of 128 s (a file's groups: |m| ~ 8 s), else rounded at 2^-24 of 128 s
+    if (bf16 && L.int4) mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_set1_ps(128.f), sv));
+    _mm512_storeu_ps(T.sw + t * T.sstride + g * 16, sv);
+    _mm512_storeu_ps(T.mw + t * T.sstride + g * 16, mv);
     for (int64_t c = 0; c < cpg; ++c) {
       __m512i* out = tile + (g * cpg + c) * 16;
       if (L.int4) {
@@ -706,7 +703,7 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
         const uint8_t* b = blk[n / 2];
         r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, bf16) : _mm512_setzero_si512();
       }
-      transpose16(r, out);
+      mii_vec::transpose16(r, out);
     }
   }
 }
