@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -55,10 +56,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+class _NotThePlan(logging.Filter):
+    """Drops the engine's log record of its plan: `mii explain` prints the plan as its output, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("mii engine plan for")
+
+
 def cmd_explain(args) -> int:
     import mii
 
-    pipe = mii.pipeline(args.model, **_model_kwargs(args))
+    log, drop = logging.getLogger("mii"), _NotThePlan()
+    log.addFilter(drop)
+    try:
+        pipe = mii.pipeline(args.model, **_model_kwargs(args))
+    finally:
+        log.removeFilter(drop)
     print(pipe.engine_plan.describe())
     return 0
 
@@ -79,8 +92,6 @@ def _api_key(args):
 
 
 def cmd_serve(args) -> int:
-    import logging
-
     from mii.serving import deployment
     from mii.serving.launch import build_mii_config
 

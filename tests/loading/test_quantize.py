@@ -1,6 +1,8 @@
 """Quantization at load time from a float checkpoint (a tiny random Llama): int4 and int8 through `mii.pipeline`
 against transformers holding the weights the packed linears dequantize to; the group fallback; the options'
 errors."""
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -72,9 +74,18 @@ def test_cli_quantization_options(tiny, capsys):
     from mii.cli import main
 
     args = ["explain", str(tiny), "--dtype", "float32", "--quantization", "int4", "--quantization-group", "32"]
-    assert main(args) == 0
+    logged = []
+    catch = logging.Handler()
+    catch.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("mii").addHandler(catch)
+    try:
+        assert main(args) == 0
+    finally:
+        logging.getLogger("mii").removeHandler(catch)
     out = capsys.readouterr().out
     assert "quantization         8 quantized to int4 g32" in out and "int4 g32" in out.split("weight bytes")[1], out
+    # the plan is the command's output, not logged a second time
+    assert out.count("quantization  ") == 1 and not [m for m in logged if "engine plan" in m], logged
     with pytest.raises(SystemExit):
         main(["explain", str(tiny), "--quantization", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
