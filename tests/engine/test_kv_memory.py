@@ -92,6 +92,21 @@ def test_the_thread_ends_with_the_cache():
     assert not thread.is_alive()
 
 
+def test_close_stops_the_thread_between_regions():
+    """close() returns once the thread has ended, even while it is faulting in a large range (it stops between two
+    regions' madvise): at interpreter exit a thread still inside madvise aborted the process."""
+    cache = _cache(blocks=65536)  # 4 regions of 512 MB
+    pre = KVPrefault(cache, ahead=65536, idle_after=None)
+    pre.want(1)  # the whole cache: seconds of page faults
+    deadline = time.monotonic() + 10
+    while not any(resident(cache[0, 0, b: b + 1]) for b in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    start = time.monotonic()
+    pre.close()
+    assert not pre._thread.is_alive() and time.monotonic() - start < 5
+    assert pre.done < 65536  # it did not finish the range first
+
+
 def test_an_engine_faults_in_its_cache_as_it_goes(pipe):
     """The engine's runner tells the thread the highest block each step writes."""
     pre = pipe.engine.runner.prefault
