@@ -60,7 +60,9 @@ class _NotThePlan(logging.Filter):
     """Drops the engine's log record of its plan: `mii explain` prints the plan as its output, once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("mii engine plan for")
+        from mii.engine.engine import PLAN_LOG
+
+        return record.msg != PLAN_LOG
 
 
 def cmd_explain(args) -> int:

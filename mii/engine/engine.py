@@ -32,6 +32,7 @@ from mii.errors import EngineStepError, KVCacheError
 from mii.response import FinishReason
 
 log = logging.getLogger("mii")
+PLAN_LOG = "mii engine plan for %s:\n%s"  # the log record of the plan (`mii explain` prints the plan instead)
 
 DEFAULT_MAX_LENGTH = 1024  # MII's default max_length (prompt + generated)
 
@@ -112,7 +113,7 @@ class Engine:
         self._seed_rng = random.Random(model_config.seed)  # None: fresh entropy in every process
         self.max_tracked = model_config.inference_engine_config.state_manager.max_tracked_sequences
         self.default_max_length = min(model_config.max_length or DEFAULT_MAX_LENGTH, plan.max_context)
-        log.info("mii engine plan for %s:\n%s", loaded.source.name, plan.describe())
+        log.info(PLAN_LOG, loaded.source.name, plan.describe())
 
     # --- requests ------------------------------------------------------------------------------------------------
 

@@ -321,21 +321,21 @@ inline void kpair_block(const uint16_t* x, int64_t K, const uint16_t* w, float* 
 }
 
 // every row of x against groups g0 .. g0+G-1: rows of x 4 at a time (16 accumulators), the tail 1-3
+template <int G, bool kStream>
+inline void kpair_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) kpair_block<4, G, kStream>(x + m * K, K, w, y + m * N, N);
+  switch (M - m) {
+    case 3: kpair_block<3, G, kStream>(x + m * K, K, w, y + m * N, N); break;
+    case 2: kpair_block<2, G, kStream>(x + m * K, K, w, y + m * N, N); break;
+    case 1: kpair_block<1, G, kStream>(x + m * K, K, w, y + m * N, N); break;
+  }
+}
+
 template <int G>
 inline void kpair_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
-  switch (M) {  // one block of rows: the weights are streamed once
-    case 4: return kpair_block<4, G, true>(x, K, w, y, N);
-    case 3: return kpair_block<3, G, true>(x, K, w, y, N);
-    case 2: return kpair_block<2, G, true>(x, K, w, y, N);
-    case 1: return kpair_block<1, G, true>(x, K, w, y, N);
-  }
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) kpair_block<4, G>(x + m * K, K, w, y + m * N, N);
-  switch (M - m) {
-    case 3: kpair_block<3, G>(x + m * K, K, w, y + m * N, N); break;
-    case 2: kpair_block<2, G>(x + m * K, K, w, y + m * N, N); break;
-    case 1: kpair_block<1, G>(x + m * K, K, w, y + m * N, N); break;
-  }
+  if (M <= 4) kpair_rows<G, true>(x, M, K, w, y, N);  // one block of rows: the weights are streamed once
+  else kpair_rows<G, false>(x, M, K, w, y, N);
 }
 #endif
 
