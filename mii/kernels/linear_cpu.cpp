@@ -306,7 +306,8 @@ inline void kpair_block(const uint16_t* x, int64_t K, const uint16_t* w, float* 
     __m512bh wv[G];
     for (int g = 0; g < G; ++g) {
       const uint16_t* t = w + g * stride + j * kPairTile;
-      _mm_prefetch(reinterpret_cast<const char*>(t + 16 * kPairTile), kStream ? _MM_HINT_T1 : _MM_HINT_T0);  // 1 KB ahead
+      // 1 KB ahead
+      _mm_prefetch(reinterpret_cast<const char*>(t + 16 * kPairTile), kStream ? _MM_HINT_T1 : _MM_HINT_T0);
       wv[g] = (__m512bh)_mm512_loadu_si512(t);
     }
     for (int m = 0; m < MR; ++m) {
