@@ -44,7 +44,8 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> t
 
 
 def race_kernel(logits: torch.Tensor) -> bool:
-    """Whether mii::sample_race (mii's CPU kernels) draws this step's sampled rows."""
+    """Whether mii's CPU kernels pick this step's tokens: mii::sample_race the sampled rows', mii::argmax_rows the
+    greedy ones' (from bf16 logits as they are, where nothing else needs them in fp32)."""
     return logits.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::sample_race", "CPU")
 
 
@@ -133,7 +134,10 @@ def sample_torch(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] (any float dtype) → one token per row. Logprobs are those of the model's distribution
     (before penalties, logit_bias and constraints)."""
-    logits = logits.float()
+    kernel = race_kernel(logits)
+    plain = sb.penalties is None and sb.logit_bias is None and sb.banned is None and sb.allowed is None
+    if not (kernel and plain and sb.all_greedy and sb.logprobs < 0):  # else argmax_rows reads them as they are
+        logits = logits.float()
     raw = logits
     if sb.penalties is not None:
         logits = apply_penalties(logits, sb.penalties)
@@ -146,9 +150,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
         logits = logits.masked_fill(mask, float("-inf"))
     if sb.allowed is not None:
         logits = apply_allowed(logits, sb.constrained_rows, sb.allowed)
-    tokens = logits.argmax(dim=-1)
+    tokens = torch.ops.mii.argmax_rows(logits) if kernel else logits.argmax(dim=-1)
     if not sb.all_greedy:
-        if race_kernel(logits):
+        if kernel:
             sampled = torch.ops.mii.sample_race(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seeds,
                                                 sb.steps)
         else:

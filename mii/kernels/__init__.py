@@ -10,7 +10,8 @@
   layouts) and whose math is fp32: decode streams 2-4x fewer bytes than bf16 (`quant_cpu.cpp`); `mii::quant_rows`,
   rows of such a weight dequantized (the embedding lookup of a tied, quantized LM head);
 - `mii::sample_race`: the sampled rows of a step (temperature, top-k, top-p, min-p, the seeded exponential race)
-  in one pass over each row, drawing what the torch sampler draws (`sampler_cpu.cpp`);
+  in one pass over each row, drawing what the torch sampler draws, and `mii::argmax_rows`, the greedy rows'
+  tokens straight from bf16 logits (`sampler_cpu.cpp`);
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
   MLP) in one call, running the kernels above in the eager order without the Python between them
   (`decoder_cpu.cpp`).
@@ -52,6 +53,7 @@ _lib.define("linear_quant(Tensor x, Tensor weight, Tensor? bias, bool act8=False
 _lib.define("quant_rows(Tensor weight, Tensor ids) -> Tensor")
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
+_lib.define("argmax_rows(Tensor logits) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
             "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
             "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows, bool act8=False) "
@@ -93,6 +95,11 @@ def _(x, weight, bias):  # weight [N, K], tiled [N/8, K/8, 64] or k-pair tiled [
 
 @torch.library.register_fake("mii::sample_race")
 def _(logits, temperature, top_k, top_p, min_p, seeds, steps):
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+@torch.library.register_fake("mii::argmax_rows")
+def _(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 

@@ -7,15 +7,21 @@
 // by s - m and only the bin where the kept mass (or count) crosses its limit is sorted, instead of the
 // vocabulary; min-p drops tokens under min_p x the top probability.
 #include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#include "bf16_vec.h"
 
 namespace {
 
@@ -139,7 +145,84 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   return winner;
 }
 
+// NaN tests on the bits: the kernels are built with -ffast-math, under which std::isnan and unordered compares
+// may fold to false
+inline bool nan_bits(float a) {
+  uint32_t u;
+  std::memcpy(&u, &a, 4);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+// The first index of a row's largest value, as torch.argmax picks it (a NaN counts as the largest: the first NaN's
+// index). Two passes over the row: its max (and whether it holds a NaN), then the first index holding it.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  int64_t v = 0;
+  float m = -INFINITY;
+  bool nan = false;
+#ifdef MII_BF16_VEC
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>) {
+    const auto load = [&](int64_t i) {
+      if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(x + i);
+      else return mii_vec::bf16_load(x + i);
+    };
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const auto nans = [&](__m512 a) { return _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(a), abs), inf); };
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    __mmask16 any = 0;
+    for (; v + 16 <= V; v += 16) {
+      const __m512 a = load(v);
+      any |= nans(a);
+      mv = _mm512_max_ps(mv, a);
+    }
+    nan = any != 0;
+    m = _mm512_reduce_max_ps(mv);
+    const int64_t tail = v;
+    for (; v < V; ++v) {
+      const float a = static_cast<float>(x[v]);
+      nan = nan || nan_bits(a);
+      m = std::max(m, a);
+    }
+    const __m512 target = _mm512_set1_ps(m);
+    for (v = 0; v < tail; v += 16) {
+      const __m512 a = load(v);
+      const __mmask16 hit = nan ? nans(a) : _mm512_cmp_ps_mask(a, target, _CMP_EQ_OQ);
+      if (hit) return v + __builtin_ctz(hit);
+    }
+    for (; v < V; ++v) {
+      const float a = static_cast<float>(x[v]);
+      if (nan ? nan_bits(a) : a == m) return v;
+    }
+    return 0;  // not reached
+  }
+#endif
+  int64_t arg = 0;
+  for (; v < V; ++v) {
+    const float a = static_cast<float>(x[v]);
+    if (nan_bits(a)) return v;
+    if (a > m || v == 0) m = a, arg = v;
+  }
+  return arg;
+}
+
 }  // namespace
+
+// logits [S, V] (float, bf16 or fp16) -> [S] long: torch.argmax(logits, -1), without the float copy of bf16 logits
+// or TensorIterator's reduction (1 x 49152 bf16: ~180 us through torch, ~90 as float()+argmax)
+at::Tensor argmax_rows_cpu(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: logits must be [S, V] with V > 0");
+  const at::Tensor l = logits.contiguous();
+  const int64_t S = l.size(0), V = l.size(1);
+  auto out = at::empty({S}, l.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, l.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* lp = l.data_ptr<scalar_t>();
+    at::parallel_for(0, S, 4, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row(lp + r * V, V);
+    });
+  });
+  return out;
+}
 
 // logits [S, V] (float), per row: temperature, top_k (long), top_p, min_p, seeds (long), steps (long) -> [S] long
 at::Tensor sample_race_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
@@ -171,4 +254,7 @@ at::Tensor sample_race_cpu(const at::Tensor& logits, const at::Tensor& temperatu
   return out;
 }
 
-TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("sample_race", &sample_race_cpu); }
+TORCH_LIBRARY_IMPL(mii, CPU, m) {
+  m.impl("sample_race", &sample_race_cpu);
+  m.impl("argmax_rows", &argmax_rows_cpu);
+}

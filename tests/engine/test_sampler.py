@@ -92,6 +92,35 @@ def test_sample_uses_the_kernel_and_keeps_greedy_rows():
         assert out[r] == (logits[r].argmax().item() if sb.greedy[r] else race[r].item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("V", [1, 15, 16, 49152, 49157])
+def test_argmax_rows_picks_what_torch_argmax_picks(dtype, V):
+    g = torch.Generator().manual_seed(V)
+    logits = (torch.randn(7, V, generator=g) * 4).to(dtype)
+    logits[1] = float("-inf")                                 # every token masked: index 0, as torch
+    logits[2] = 1.0                                           # all tied: the first
+    logits[3, V // 2:] = logits[3].max() + 1                  # tied maxima after the first half: the first of them
+    logits[4, V - 1] = float("inf")                           # the last token, in the vector tail or not
+    logits[5, V // 3] = float("nan")                          # a NaN counts as the largest, as in torch
+    logits[5, V - 1] = float("nan")
+    logits[6, 0] = logits[6].max() + 1                        # the first token
+    ours = torch.ops.mii.argmax_rows(logits)
+    assert ours.dtype == torch.long and ours.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert torch.ops.mii.argmax_rows(logits[:0]).shape == (0,)
+
+
+def test_greedy_rows_of_bf16_logits_are_argmax_of_their_float_values():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 49152, generator=g).bfloat16()
+    sb = _batch(5, 49152)
+    sb.greedy, sb.all_greedy = torch.ones(5, dtype=torch.bool), True
+    assert sample(logits, sb).tokens == logits.float().argmax(dim=-1).tolist()
+    sb.logprobs = 0  # logprobs asked for: the fp32 path, the same tokens
+    out = sample(logits, sb)
+    assert out.tokens == logits.float().argmax(dim=-1).tolist()
+    assert out.logprobs == pytest.approx(logits.float().log_softmax(-1).max(-1).values.tolist())
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(5, 1000, generator=g)
