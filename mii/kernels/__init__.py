@@ -5,7 +5,8 @@
 - `mii::rms_norm` (with the residual add folded in), `mii::rotary_` (in place on q and k) and
   `mii::silu_and_mul`: one call each where eager PyTorch takes 5-10 small ops (`fused_cpu.cpp`);
 - `mii::linear_bf16w`: a linear whose weight is stored in bf16 and whose math is fp32, for CPUs without native
-  bf16 matmul: decode streams half the bytes of fp32 weights (`linear_cpu.cpp`);
+  bf16 matmul: decode streams half the bytes of fp32 weights, and `mii::tiled_rows`, rows of its tiled weight
+  (the embedding lookup of a tied LM head) (`linear_cpu.cpp`);
 - `mii::linear_quant`: a linear whose weight is int8 or int4 (group-wise scales, `mii/layers/quant.py`'s
   layouts) and whose math is fp32: decode streams 2-4x fewer bytes than bf16 (`quant_cpu.cpp`); `mii::quant_rows`,
   rows of such a weight dequantized (the embedding lookup of a tied, quantized LM head);
@@ -54,6 +55,7 @@ _lib.define("quant_rows(Tensor weight, Tensor ids) -> Tensor")
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
+_lib.define("tiled_rows(Tensor tiles, Tensor ids) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
             "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
             "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows, bool act8=False) "
@@ -96,6 +98,13 @@ def _(x, weight, bias):  # weight [N, K], tiled [N/8, K/8, 64] or k-pair tiled [
 @torch.library.register_fake("mii::sample_race")
 def _(logits, temperature, top_k, top_p, min_p, seeds, steps):
     return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+@torch.library.register_fake("mii::tiled_rows")
+def _(tiles, ids):
+    from mii.layers.linear import bf16w_rows
+
+    return tiles.new_empty(*ids.shape, tiles.numel() // bf16w_rows(tiles))
 
 
 @torch.library.register_fake("mii::argmax_rows")

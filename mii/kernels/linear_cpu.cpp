@@ -480,4 +480,46 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
   return linear_output(y, x, bias);
 }
 
-TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("linear_bf16w", &linear_bf16w_cpu); }
+// Rows `ids` of a tiled bf16 weight, row-major [*ids.shape, K]: the embedding lookup of a tied LM head, one pass of
+// word copies where the torch indexing of the tiles (mii/layers/linear.py's tiled_rows, its reference) set up an
+// advanced-indexing kernel every step (~20 us a decode token warm, ~130 in the step). k-pair tiles [N/16, K/2, 32]:
+// word j of row 16g + r at tile (g, j), word r; 8-row tiles [N/8, K/8, 64]: value c of row 8g + 2p + s, column block
+// b, at tile (g, b), element 16p + 2c + s.
+at::Tensor tiled_rows_cpu(const at::Tensor& tiles, const at::Tensor& ids) {
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
+              (tiles.size(2) == kPairTile || tiles.size(2) == kTile),
+              "tiled_rows: tiles must be contiguous bf16 [N/16, K/2, 32] or [N/8, K/8, 64]");
+  const bool kpairs = tiles.size(2) == kPairTile;
+  const int64_t N = tiles.size(0) * (kpairs ? 16 : 8), K = tiles.size(1) * (kpairs ? 2 : 8);
+  const at::Tensor id = ids.to(at::kLong).contiguous();
+  const int64_t T = id.numel();
+  const int64_t* ip = id.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_INDEX(ip[t] >= 0 && ip[t] < N, "tiled_rows: index ", ip[t], " is out of range for ", N, " rows");
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(K);
+  auto out = at::empty(sizes, tiles.options());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t row = ip[t];
+      uint16_t* dst = o + t * K;
+      if (kpairs) {
+        const uint16_t* src = w + (row / 16) * (K / 2) * kPairTile + (row % 16) * 2;
+        for (int64_t j = 0; j < K / 2; ++j) std::memcpy(dst + 2 * j, src + j * kPairTile, 4);
+      } else {
+        const int64_t r = row % 8;
+        const uint16_t* src = w + (row / 8) * (K / 8) * kTile + (r / 2) * 16 + r % 2;
+        for (int64_t blk = 0; blk < K / 8; ++blk)
+          for (int64_t c = 0; c < 8; ++c) dst[blk * 8 + c] = src[blk * kTile + 2 * c];
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) {
+  m.impl("linear_bf16w", &linear_bf16w_cpu);
+  m.impl("tiled_rows", &tiled_rows_cpu);
+}

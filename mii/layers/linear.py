@@ -81,7 +81,14 @@ def bf16w_rows(w: torch.Tensor) -> int:
 
 def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a tiled weight (either layout), row-major ([*ids.shape, K]): the embedding lookup of a tied
-    LM head."""
+    LM head. `mii::tiled_rows` where the CPU kernels are built (the tiles exist only there), else these views."""
+    if tiles.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::tiled_rows", "CPU"):
+        return torch.ops.mii.tiled_rows(tiles, ids)
+    return tiled_rows_reference(tiles, ids)
+
+
+def tiled_rows_reference(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`tiled_rows` by torch indexing of the tiles' views."""
     if tiles.shape[-1] == 32:  # k-pair tiles
         return tiles.view(tiles.shape[0], tiles.shape[1], 16, 2)[ids // 16, :, ids % 16].reshape(
             *ids.shape, tiles.shape[1] * 2)

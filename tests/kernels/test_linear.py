@@ -8,7 +8,7 @@ import mii
 from mii import kernels
 from mii.errors import ValidationError
 from mii.engine import plan as plan_module
-from mii.layers.linear import tile_bf16_kpairs, tile_bf16w, tiled_rows
+from mii.layers.linear import tile_bf16_kpairs, tile_bf16w, tiled_rows, tiled_rows_reference
 from tests.reference import TINY, compare_greedy, hf_greedy, prompts_for, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
@@ -95,6 +95,22 @@ def test_bf16_rows_in_and_out_round_as_torch(tiles):
             out = torch.ops.mii.linear_bf16w(x, wt, bias)
             assert out.dtype == torch.bfloat16 and out.shape == (2, m, n)
             assert torch.equal(out, torch.ops.mii.linear_bf16w(x.float(), wt, bias).bfloat16())
+
+
+@pytest.mark.parametrize("tile", [tile_bf16w, tile_bf16_kpairs])
+def test_tiled_rows_kernel_reads_what_the_views_read(tile):
+    """mii::tiled_rows against the torch indexing of the tiles on a real-sized tied LM head (any ids' shape, an
+    empty one), and an id out of range is an IndexError that names it."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(49152, 576, generator=g).bfloat16()
+    t = tile(w)
+    ids = torch.randint(0, 49152, (3, 5), generator=g)
+    ids[0, 0], ids[0, 1] = 0, 49151
+    assert torch.equal(torch.ops.mii.tiled_rows(t, ids), w[ids])
+    assert torch.equal(torch.ops.mii.tiled_rows(t, ids), tiled_rows_reference(t, ids))
+    assert torch.ops.mii.tiled_rows(t, ids[:0]).shape == (0, 5, 576)
+    with pytest.raises(IndexError, match="49152 is out of range"):
+        torch.ops.mii.tiled_rows(t, torch.tensor([3, 49152]))
 
 
 def test_kpair_layout_and_its_rows():
