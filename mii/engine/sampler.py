@@ -14,6 +14,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mii import kernels
+
 _M32 = 0xFFFFFFFF
 
 
@@ -46,7 +48,7 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> t
 def race_kernel(logits: torch.Tensor) -> bool:
     """Whether mii's CPU kernels pick this step's tokens: mii::sample_race the sampled rows', mii::argmax_rows the
     greedy ones' (from bf16 logits as they are, where nothing else needs them in fp32)."""
-    return logits.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::sample_race", "CPU")
+    return logits.device.type == "cpu" and kernels.cpu_op("sample_race")
 
 
 @dataclass

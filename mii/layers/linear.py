@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mii import kernels
 from mii.errors import ModelLoadError
 from mii.layers.quant import quant_linear, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
@@ -82,7 +83,7 @@ def bf16w_rows(w: torch.Tensor) -> int:
 def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a tiled weight (either layout), row-major ([*ids.shape, K]): the embedding lookup of a tied
     LM head. `mii::tiled_rows` where the CPU kernels are built (the tiles exist only there), else these views."""
-    if tiles.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::tiled_rows", "CPU"):
+    if tiles.device.type == "cpu" and kernels.cpu_op("tiled_rows"):
         return torch.ops.mii.tiled_rows(tiles, ids)
     return tiled_rows_reference(tiles, ids)
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mii import kernels
 from mii.errors import ModelLoadError
 
 INT4, INT8 = "int4", "int8"
@@ -118,7 +119,7 @@ def dequantize(w: torch.Tensor) -> torch.Tensor:
 def dequantize_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a packed weight as float32 ([*ids.shape, K]): the embedding lookup of a tied LM head
     (`mii::quant_rows` on CPU once mii's CPU kernels are loaded, the same arithmetic)."""
-    if w.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::quant_rows", "CPU"):
+    if w.device.type == "cpu" and kernels.cpu_op("quant_rows"):
         return torch.ops.mii.quant_rows(w, ids)
     return dequantize_rows_reference(w, ids)
 
@@ -175,7 +176,7 @@ def quant_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torc
 def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], act8: bool = False) -> torch.Tensor:
     """x @ dequantize(w).T + bias: the C++ kernel (fp32 math) on CPU once mii's CPU kernels are loaded, else the
     reference. `act8`: an int4 weight multiplies x rounded to int8 per 32 columns (`quantize_activations`)."""
-    if x.device.type == "cpu" and torch._C._dispatch_has_kernel_for_dispatch_key("mii::linear_quant", "CPU"):
+    if x.device.type == "cpu" and kernels.cpu_op("linear_quant"):
         return torch.ops.mii.linear_quant(x, w, bias, act8)
     return quant_linear_reference(x, w, bias, act8)
 
