@@ -58,8 +58,8 @@ _lib.define("argmax_rows(Tensor logits) -> Tensor")
 _lib.define("tiled_rows(Tensor tiles, Tensor ids) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
             "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
-            "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows, bool act8=False) "
-            "-> (Tensor, Tensor)")
+            "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows, bool act8=False, "
+            "Tensor? final_norm=None) -> (Tensor, Tensor)")
 
 
 @torch.library.register_fake("mii::paged_attention")
@@ -84,7 +84,7 @@ def _(x):
 
 @torch.library.register_fake("mii::decoder_stack")
 def _(x, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables, max_query_len, n_heads,
-      n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8=False):
+      n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8=False, final_norm=None):
     return torch.empty_like(x), torch.empty_like(x)
 
 

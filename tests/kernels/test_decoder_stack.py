@@ -1,5 +1,5 @@
-"""mii::decoder_stack (all pre-norm decoder layers of a step in one C++ call) against the layers' own forward on
-the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
+"""mii::decoder_stack (all pre-norm decoder layers of a step, and the model's last norm, in one C++ call) against the
+layers' own forward and the last norm on the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head, or on CPUs with native bf16 its weights prepacked for
 oneDNN; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
 sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations); and the architectures it does not cover keep the layers."""
@@ -56,6 +56,7 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
     try:
         model = pipe.engine.loaded.model
         assert model.model.stack is not None, "this architecture should run as one decoder_stack call"
+        assert model.model.stack["final_norm"] is model.model.norm.weight, "the last norm should join the call"
         if dtype == "auto":  # on CPUs without native bf16 matmul: bf16 weights, the tied head tiled
             assert pipe.engine_plan.linear_backend != "kernel" or model.lm_head.weight.dim() == 3
         if extra:  # every linear of the stack is packed
