@@ -511,7 +511,8 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 //   (int4: 128 + q, whose bf16 bits 0x4300 | q the unpacking's byte permutation writes directly), and `vdpbf16ps`:
 //   bf16 products are exact in fp32, so a group's sum is x times the weights' integers up to fp32 summation, scaled
 //   once by the group's weight scale; int4's offsets add (m - 128 s) * sum(x) per group. No rounding of the weights
-//   or of x: the values the file holds, times x.
+//   or of x: the values the file holds, times x. Blocks of 4 rows by 2 tiles keep both the group's sums and the
+//   running sums in registers (bf16_block).
 // - fp32 x, or `act8`: x rounded per chunk to int16 (or int8) as the decode path rounds it, the integers as int16,
 //   and `vpdpwssd`: a chunk's sums are exact int32, scaled once (x's scale times the weight scale), the decode
 //   path's arithmetic up to fp32 summation order.
@@ -521,7 +522,7 @@ constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128
 // bf16 x: even at 8 rows, ahead from 12 (`[3072, 576]` 16 rows 562-688 → 305-495 µs, 32 rows 1,467-1,531 → 580-629;
 // the int8 LM head `[49152, 576]` 32 rows 14.0-15.1 → 7.6-8.8 ms); behind at 4 (the weights are unpacked for few rows)
 constexpr int64_t kTileMinRows = 9;
-constexpr int kRowsX = 4, kTilesX = 4;  // a block: 4 rows of x by 4 tiles, 16 accumulators in registers
+constexpr int kRowsX = 4, kTilesX = 4;  // an int16 block: 4 rows of x by 4 tiles, 16 accumulators in registers
 
 // GCC 12 copies the accumulator around every _mm512_dpwssd_epi32 (its pattern does not tie it to the output),
 // which halves the rate: the instructions are spelled out, with the accumulator tied
@@ -708,19 +709,18 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
   }
 }
 
-// rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1, into y's columns from 16 * t0 + n0. The fp32 sums live in
-// memory (L1), updated once a chunk (int16) or group (bf16): the registers hold the weights and the running sums
-// of the chunk or group. Acc: __m512i (int16 x) or __m512 (bf16 x).
-template <typename Acc, int MR, int NT>
-__attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
-                       int64_t N, int64_t n0) {
-  constexpr bool kBf16 = std::is_same_v<Acc, __m512>;
+// int16 x (fp32 x, or act8): rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1, into y's columns from
+// 16 * t0 + n0. The fp32 sums live in memory (L1), updated once a chunk: the registers hold the weights and the
+// chunk's int32 sums.
+template <int MR, int NT>
+__attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
+                                          int64_t t0, float* y, int64_t N, int64_t n0) {
   const int64_t cpg = L.G / 32;
   const int32_t* xq[MR];
   const float *xs[MR], *gs[MR];
   for (int r = 0; r < MR; ++r) {
     xq[r] = &X.q[(m0 + r) * (K / 2)], gs[r] = &X.gsum[(m0 + r) * X.groups];
-    xs[r] = kBf16 ? nullptr : &X.scale[(m0 + r) * X.chunks];
+    xs[r] = &X.scale[(m0 + r) * X.chunks];
   }
   const int64_t stride = T.stride, sstride = T.sstride;
   const __m512i* tiles = T.data + t0 * stride;
@@ -730,13 +730,11 @@ __attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K
   for (int r = 0; r < MR; ++r)
     for (int t = 0; t < NT; ++t) _mm512_store_ps(acc[r][t], _mm512_setzero_ps());
   for (int64_t g = 0; g < L.groups; ++g) {
-    Acc part[MR][NT];
     for (int64_t c = 0; c < cpg; ++c) {
       const int64_t ch = g * cpg + c;
-      if (!kBf16 || c == 0) {
-        for (int r = 0; r < MR; ++r)
-          for (int t = 0; t < NT; ++t) part[r][t] = Acc{};
-      }
+      __m512i part[MR][NT];
+      for (int r = 0; r < MR; ++r)
+        for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_si512();
       for (int b = 0; b < 16; ++b) {
         __m512i wv[NT];
         for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + b);
@@ -745,28 +743,23 @@ __attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K
           for (int t = 0; t < NT; ++t) dot(part[r][t], wv[t], xb);
         }
       }
-      if constexpr (!kBf16) {  // the chunk's int32 sums times x's scale and the weight scale
-        for (int t = 0; t < NT; ++t) {
-          const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
-          for (int r = 0; r < MR; ++r)
-            _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][t]),
-                                                       _mm512_mul_ps(sv, _mm512_set1_ps(xs[r][ch])),
-                                                       _mm512_load_ps(acc[r][t])));
-        }
-        __asm__ volatile("" ::: "memory");  // keeps acc in memory: the registers are for the chunk's sums
+      for (int t = 0; t < NT; ++t) {  // the chunk's int32 sums times x's scale and the weight scale
+        const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
+        for (int r = 0; r < MR; ++r)
+          _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][t]),
+                                                     _mm512_mul_ps(sv, _mm512_set1_ps(xs[r][ch])),
+                                                     _mm512_load_ps(acc[r][t])));
       }
+      __asm__ volatile("" ::: "memory");  // keeps acc in memory: the registers are for the chunk's sums
     }
-    for (int t = 0; t < NT; ++t) {
-      const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
-      const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
-      for (int r = 0; r < MR; ++r) {
-        __m512 a = _mm512_load_ps(acc[r][t]);
-        if constexpr (kBf16) a = _mm512_fmadd_ps(part[r][t], sv, a);  // the group's sums times the weight scale
-        if (L.int4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), a);
-        _mm512_store_ps(acc[r][t], a);
+    if (L.int4) {
+      for (int t = 0; t < NT; ++t) {
+        const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
+        for (int r = 0; r < MR; ++r)
+          _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), _mm512_load_ps(acc[r][t])));
       }
+      __asm__ volatile("" ::: "memory");
     }
-    __asm__ volatile("" ::: "memory");
   }
   for (int t = 0; t < NT; ++t) {
     const int64_t n = n0 + (t0 + t) * 16;
@@ -775,28 +768,102 @@ __attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K
   }
 }
 
+#ifdef MII_QBF16
+// bf16 x: rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1 (MR <= 4, NT <= 2), the group's sums and the running
+// sums both in registers (2 x 8 accumulators): each group's sums times the weight scale, plus offset x sum(x), with
+// no round trip through L1. Where the running sums of 4 x 4 blocks lived in L1 (16 accumulators and 16 sums do
+// not fit 32 registers), a layer's four int4 linears ran 5-8% slower (alternated in one process, 64 and 256
+// rows); the same arithmetic in the same order, so the same results bit for bit.
+template <int MR, int NT>
+__attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
+                                              int64_t t0, float* y, int64_t N, int64_t n0) {
+  const int64_t cpg = L.G / 32;
+  const int32_t* xq[MR];
+  const float* gs[MR];
+  for (int r = 0; r < MR; ++r) xq[r] = &X.q[(m0 + r) * (K / 2)], gs[r] = &X.gsum[(m0 + r) * X.groups];
+  const int64_t stride = T.stride, sstride = T.sstride;
+  const __m512i* tiles = T.data + t0 * stride;
+  const float* sw = T.sw + t0 * sstride;
+  const float* mw = T.mw + t0 * sstride;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < L.groups; ++g) {
+    __m512 part[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cpg; ++c) {
+      const int64_t ch = g * cpg + c;
+      for (int b = 0; b < 16; ++b) {
+        __m512i wv[NT];
+        for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + b);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + b]);
+          for (int t = 0; t < NT; ++t) dot(part[r][t], wv[t], xb);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
+      const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(part[r][t], sv, acc[r][t]);
+        if (L.int4) acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), acc[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n = n0 + (t0 + t) * 16;
+    const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, acc[r][t]);
+  }
+}
+#endif
+
 // every row of x (kRowsX at a time, then the rest) against tiles t0 .. t0+NT-1
-template <typename Acc, int NT, int R = kRowsX>
+template <int NT, int R = kRowsX>
 inline void vnni_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
                       int64_t N, int64_t n0, int64_t m = 0) {
   if constexpr (R == kRowsX) {
-    for (; m + R <= M; m += R) vnni_block<Acc, R, NT>(X, m, K, L, T, t0, y, N, n0);
-    vnni_rows<Acc, NT, R - 1>(X, M, K, L, T, t0, y, N, n0, m);
+    for (; m + R <= M; m += R) vnni_block<R, NT>(X, m, K, L, T, t0, y, N, n0);
+    vnni_rows<NT, R - 1>(X, M, K, L, T, t0, y, N, n0, m);
   } else if constexpr (R > 0) {
     if (M - m == R)
-      vnni_block<Acc, R, NT>(X, m, K, L, T, t0, y, N, n0);
+      vnni_block<R, NT>(X, m, K, L, T, t0, y, N, n0);
     else
-      vnni_rows<Acc, NT, R - 1>(X, M, K, L, T, t0, y, N, n0, m);
+      vnni_rows<NT, R - 1>(X, M, K, L, T, t0, y, N, n0, m);
   }
 }
 
-template <typename Acc>
 void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
                 int64_t N, int64_t n0) {
   int64_t t = 0;
-  for (; t + kTilesX <= nt; t += kTilesX) vnni_rows<Acc, kTilesX>(X, M, K, L, T, t, y, N, n0);
-  for (; t < nt; ++t) vnni_rows<Acc, 1>(X, M, K, L, T, t, y, N, n0);
+  for (; t + kTilesX <= nt; t += kTilesX) vnni_rows<kTilesX>(X, M, K, L, T, t, y, N, n0);
+  for (; t < nt; ++t) vnni_rows<1>(X, M, K, L, T, t, y, N, n0);
 }
+
+#ifdef MII_QBF16
+// bf16 x against a task's nt tiles: two tiles at a time (they stay in L1/L2 while every row of x passes), the rows
+// four at a time, then the rest
+template <int NT>
+void bf16_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
+               int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) bf16_block<4, NT>(X, m, K, L, T, t0, y, N, n0);
+  switch (M - m) {
+    case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, N, n0); break;
+    case 2: bf16_block<2, NT>(X, m, K, L, T, t0, y, N, n0); break;
+    case 1: bf16_block<1, NT>(X, m, K, L, T, t0, y, N, n0); break;
+  }
+}
+
+void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
+                int64_t N, int64_t n0) {
+  int64_t t = 0;
+  for (; t + 2 <= nt; t += 2) bf16_rows<2>(X, M, K, L, T, t, y, N, n0);
+  if (t < nt) bf16_rows<1>(X, M, K, L, T, t, y, N, n0);
+}
+#endif
 
 void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t M = x.size(0), N = L.N(), K = L.K();
@@ -819,11 +886,11 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
 #ifdef MII_QBF16
       if (X.bf16) {
-        vnni_tiles<__m512>(X, M, K, L, T, nt, y, N, t0 * 16);
+        bf16_tiles(X, M, K, L, T, nt, y, N, t0 * 16);
         continue;
       }
 #endif
-      vnni_tiles<__m512i>(X, M, K, L, T, nt, y, N, t0 * 16);
+      vnni_tiles(X, M, K, L, T, nt, y, N, t0 * 16);
     }
   });
 }
