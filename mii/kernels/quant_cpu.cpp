@@ -709,6 +709,21 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
   }
 }
 
+// part[r][t] += chunk ch of tiles t (16 word pairs) times x's pairs of rows r: one dot product a row, tile and pair
+// (Acc: __m512i for int16 x, __m512 for bf16 x)
+template <int MR, int NT, typename Acc>
+__attribute__((always_inline)) inline void chunk_dots(Acc (&part)[MR][NT], const __m512i* tiles, int64_t stride,
+                                                      const int32_t* const* xq, int64_t ch) {
+  for (int b = 0; b < 16; ++b) {
+    __m512i wv[NT];
+    for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + b);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + b]);
+      for (int t = 0; t < NT; ++t) dot(part[r][t], wv[t], xb);
+    }
+  }
+}
+
 // int16 x (fp32 x, or act8): rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1, into y's columns from
 // 16 * t0 + n0. The fp32 sums live in memory (L1), updated once a chunk: the registers hold the weights and the
 // chunk's int32 sums.
@@ -735,14 +750,7 @@ __attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K
       __m512i part[MR][NT];
       for (int r = 0; r < MR; ++r)
         for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_si512();
-      for (int b = 0; b < 16; ++b) {
-        __m512i wv[NT];
-        for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + b);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + b]);
-          for (int t = 0; t < NT; ++t) dot(part[r][t], wv[t], xb);
-        }
-      }
+      chunk_dots<MR, NT>(part, tiles, stride, xq, ch);
       for (int t = 0; t < NT; ++t) {  // the chunk's int32 sums times x's scale and the weight scale
         const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
         for (int r = 0; r < MR; ++r)
@@ -794,14 +802,7 @@ __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K
       for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < cpg; ++c) {
       const int64_t ch = g * cpg + c;
-      for (int b = 0; b < 16; ++b) {
-        __m512i wv[NT];
-        for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + b);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + b]);
-          for (int t = 0; t < NT; ++t) dot(part[r][t], wv[t], xb);
-        }
-      }
+      chunk_dots<MR, NT>(part, tiles, stride, xq, ch);
     }
     for (int t = 0; t < NT; ++t) {
       const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
