@@ -784,7 +784,7 @@ __attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K
 // rows); the same arithmetic in the same order, so the same results bit for bit.
 template <int MR, int NT>
 __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
-                                              int64_t t0, float* y, int64_t N, int64_t n0) {
+                                          int64_t t0, float* y, int64_t N, int64_t n0) {
   const int64_t cpg = L.G / 32;
   const int32_t* xq[MR];
   const float* gs[MR];
@@ -849,13 +849,14 @@ void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 template <int NT>
 void bf16_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
                int64_t N, int64_t n0) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) bf16_block<4, NT>(X, m, K, L, T, t0, y, N, n0);
-  switch (M - m) {
-    case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, N, n0); break;
-    case 2: bf16_block<2, NT>(X, m, K, L, T, t0, y, N, n0); break;
-    case 1: bf16_block<1, NT>(X, m, K, L, T, t0, y, N, n0); break;
-  }
+  by_quads(M, [&](int64_t m, int R) {
+    switch (R) {
+      case 4: bf16_block<4, NT>(X, m, K, L, T, t0, y, N, n0); break;
+      case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, N, n0); break;
+      case 2: bf16_block<2, NT>(X, m, K, L, T, t0, y, N, n0); break;
+      default: bf16_block<1, NT>(X, m, K, L, T, t0, y, N, n0);
+    }
+  });
 }
 
 void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
