@@ -405,15 +405,36 @@ struct XBytes {
   }
 };
 
+// the headers [s_a s_b m_a m_b] of two chunks' groups -> each row's and chunk's scale (sv) and offset (mv), 4 lanes each
+inline void pair_scales(const uint8_t* h0, const uint8_t* h1, __m512& sv, __m512& mv) {
+  const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
+  const __m512i m_idx = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 6, 6, 6, 6, 7, 7, 7, 7);
+  const __m128i hh = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h0)),
+                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h1)));
+  const __m512 hf = _mm512_castps256_ps512(_mm256_cvtph_ps(hh));
+  sv = _mm512_permutexvar_ps(s_idx, hf), mv = _mm512_permutexvar_ps(m_idx, hf);
+}
+
+// two chunks' nibbles (lo: columns 0-15, hi: 16-31) against x's bytes (XBytes' vectors): the exact int32 sums
+template <bool kAct8>
+inline __m512i nibble_dots(__m512i lo, __m512i hi, const __m512i* xv) {
+  __m512i acc = _mm512_setzero_si512();
+  if constexpr (kAct8) {
+    dot_bytes(acc, lo, xv[0]), dot_bytes(acc, hi, xv[1]);
+  } else {
+    dot_bytes(acc, lo, xv[2]), dot_bytes(acc, hi, xv[3]);
+    acc = _mm512_slli_epi32(acc, 8);
+    dot_bytes(acc, xv[0], lo), dot_bytes(acc, xv[1], hi);
+  }
+  return acc;
+}
+
 // R rows of x against row pair p, as int4_pair above: y[m, 2p], y[m, 2p + 1]
 template <int R, bool kAct8>
 inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAct8>& X, int64_t m0, float* y,
                             int64_t N, int64_t p) {
   constexpr int V = XBytes<kAct8>::kVecs;
   const __m512i low4 = _mm512_set1_epi8(15);
-  // [s_a s_b m_a m_b] of chunk 2p's group, then of 2p + 1's -> the 4 lanes of each row and chunk
-  const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
-  const __m512i m_idx = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 6, 6, 6, 6, 7, 7, 7, 7);
   const int64_t cpg = L.G / 32, block = L.block, chunks = L.K() / 32, cpairs = X.cpairs;
   const __m512i* xq[R];
   const __m512 *xs[R], *xm[R];
@@ -442,20 +463,10 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
       const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d0))),
                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d1)), 1);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      uint64_t h[2];
-      std::memcpy(&h[0], h0, 8), std::memcpy(&h[1], h1, 8);
-      const __m512 hf = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
-      const __m512 sv = _mm512_permutexvar_ps(s_idx, hf), mv = _mm512_permutexvar_ps(m_idx, hf);
+      __m512 sv, mv;
+      pair_scales(h0, h1, sv, mv);
       for (int r = 0; r < R; ++r) {
-        const __m512i* q = xq[r] + cp * V;
-        __m512i acc = _mm512_setzero_si512();
-        if constexpr (kAct8) {
-          dot_bytes(acc, lo, q[0]), dot_bytes(acc, hi, q[1]);
-        } else {
-          dot_bytes(acc, lo, q[2]), dot_bytes(acc, hi, q[3]);
-          acc = _mm512_slli_epi32(acc, 8);
-          dot_bytes(acc, q[0], lo), dot_bytes(acc, q[1], hi);
-        }
+        const __m512i acc = nibble_dots<kAct8>(lo, hi, xq[r] + cp * V);
         tot[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, xs[r][cp]), tot[j][r]);
         off[r] = _mm512_fmadd_ps(mv, xm[r][cp], off[r]);
       }
@@ -502,8 +513,6 @@ inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Chunks& C, c
                            int64_t ystride) {
   constexpr int V = XBytes<kAct8>::kVecs;
   const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
-  const __m512i m_idx = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 6, 6, 6, 6, 7, 7, 7, 7);
   const int64_t chunks = static_cast<int64_t>(C.data.size());
   __m512 tot[P], off[P];
   for (int q = 0; q < P; ++q) tot[q] = off[q] = _mm512_setzero_ps();
@@ -517,18 +526,9 @@ inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Chunks& C, c
       _mm_prefetch(reinterpret_cast<const char*>(b + d0 + kPrefetch), _MM_HINT_T0);
       const __m512i v = load_halves(b + d0, b + d1);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      const __m128i hh = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + h0)),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + h1)));
-      const __m512 hf = _mm512_castps256_ps512(_mm256_cvtph_ps(hh));
-      const __m512 sv = _mm512_permutexvar_ps(s_idx, hf), mv = _mm512_permutexvar_ps(m_idx, hf);
-      __m512i acc = _mm512_setzero_si512();
-      if constexpr (kAct8) {
-        dot_bytes(acc, lo, xv[0]), dot_bytes(acc, hi, xv[1]);
-      } else {
-        dot_bytes(acc, lo, xv[2]), dot_bytes(acc, hi, xv[3]);
-        acc = _mm512_slli_epi32(acc, 8);
-        dot_bytes(acc, xv[0], lo), dot_bytes(acc, xv[1], hi);
-      }
+      __m512 sv, mv;
+      pair_scales(b + h0, b + h1, sv, mv);
+      const __m512i acc = nibble_dots<kAct8>(lo, hi, xv);
       tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, X.scale[cp]), tot[q]);
       off[q] = _mm512_fmadd_ps(mv, X.sum[cp], off[q]);
     }
