@@ -367,13 +367,17 @@ inline void dot_bytes(__m512i& acc, __m512i u, __m512i s) { __asm__("vpdpbusd %2
 // low bytes of columns 0-15, of 16-31, then its high bytes of 0-15, of 16-31; act8: the int8 x of 0-15, of 16-31.
 // scale: x's scale, 8 lanes a chunk; sum: the chunk's sum of the rounded x times its scale / 4 (int4's offsets,
 // added in 4 lanes a row).
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) { return mii_vec::bf16_load(x); }
+
 template <bool kAct8>
 struct XBytes {
   static constexpr int kVecs = kAct8 ? 2 : 4;
   int64_t cpairs;
   std::vector<__m512i> q;
   std::vector<__m512> scale, sum;
-  XBytes(const float* x, int64_t M, int64_t K) : cpairs((K / 32 + 1) / 2) {
+  template <typename T>  // float, or bf16 (widened exactly: the same values as its fp32 copy)
+  XBytes(const T* x, int64_t M, int64_t K) : cpairs((K / 32 + 1) / 2) {
     q.assign(M * cpairs * kVecs, _mm512_setzero_si512());
     scale.assign(M * cpairs, _mm512_setzero_ps());
     sum.assign(M * cpairs, _mm512_setzero_ps());
@@ -383,8 +387,8 @@ struct XBytes {
       for (int64_t c = 0; c < K / 32; ++c) {
         // round_chunk's arithmetic in vectors: the same amax, s, inv and products; cvtps rounds half to even
         // (nearbyint under the default rounding mode); the int16/int8 values fit, so their low bytes are theirs
-        const float* xc = x + m * K + c * 32;
-        const __m512 x0 = _mm512_loadu_ps(xc), x1 = _mm512_loadu_ps(xc + 16);
+        const T* xc = x + m * K + c * 32;
+        const __m512 x0 = load16(xc), x1 = load16(xc + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
         const float s = amax > 0.f ? amax * kInvMax : 1.f, inv = 1.f / s;
         const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
@@ -549,10 +553,13 @@ inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Chunks& C, c
 struct XBytes16 {
   std::vector<__m256i> q;  // [chunks, 3]
   std::vector<float> scale;
-  XBytes16(const float* x, int64_t K) : q(K / 32 * 3), scale(K / 32) {
+  template <typename T>  // float, or bf16 (widened exactly first)
+  XBytes16(const T* x, int64_t K) : q(K / 32 * 3), scale(K / 32) {
     for (int64_t c = 0; c < K / 32; ++c) {
+      float xc[32];
+      _mm512_storeu_ps(xc, load16(x + c * 32)), _mm512_storeu_ps(xc + 16, load16(x + c * 32 + 16));
       int16_t v[32];
-      scale[c] = round_chunk(x + c * 32, v);
+      scale[c] = round_chunk(xc, v);
       alignas(32) uint8_t lo[32], hi[32];
       alignas(32) int32_t init[8] = {};
       for (int k = 0; k < 32; ++k) {
@@ -615,26 +622,31 @@ void far_pairs(const uint8_t* w, const Layout& L, float* y, RowPairs&& row_pairs
 }
 #endif  // MII_QVNNI
 
+#ifdef MII_QVNNI
+// one row of x (float or bf16) against every row pair: far_pairs
+template <typename T>
+void gemv_row(const T* x, const uint8_t* w, const Layout& L, float* y, bool act8) {
+  const Chunks C(L);
+  if (L.int4) {
+    const auto run = [&](const auto& X) {
+      far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
+        int4_row_pairs<decltype(P)::value>(pw, stride, C, X, yp, ystride);
+      });
+    };
+    act8 ? run(XBytes<true>(x, 1, L.K())) : run(XBytes<false>(x, 1, L.K()));
+  } else {
+    const XBytes16 X(x, L.K());
+    far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
+      int8_row_pairs<decltype(P)::value>(pw, stride, C, L.G, X, yp, ystride);
+    });
+  }
+}
+#endif
+
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t N = L.N(), K = L.K();
 #ifdef MII_QVNNI
-  if (M == 1) {
-    const Chunks C(L);
-    if (L.int4) {
-      const auto run = [&](const auto& X) {
-        far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
-          int4_row_pairs<decltype(P)::value>(pw, stride, C, X, yp, ystride);
-        });
-      };
-      act8 ? run(XBytes<true>(x, 1, K)) : run(XBytes<false>(x, 1, K));
-    } else {
-      const XBytes16 X(x, K);
-      far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
-        int8_row_pairs<decltype(P)::value>(pw, stride, C, L.G, X, yp, ystride);
-      });
-    }
-    return;
-  }
+  if (M == 1) return gemv_row(x, w, L, y, act8);
   if (L.int4) {
     const auto run = [&](const auto& X) {
       for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
@@ -1096,6 +1108,10 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 #ifdef MII_QVNNI
   if (M >= kTileMinRows) {  // bf16 x is read as it is
     vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
+    return linear_output(y, x, bias);
+  }
+  if (M == 1 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()) {  // as it is: no fp32 copy (~0.3 µs)
+    gemv_row(x2.data_ptr<at::BFloat16>(), wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }
 #endif
