@@ -409,6 +409,22 @@ struct XBytes {
   }
 };
 
+// a row pair's stream chunk by chunk: where the chunk's group header starts (head) and its data (int4: row a's 16
+// bytes, then row b's; int8: row a's 32 bytes, row b's G further on)
+struct ChunkWalk {
+  int64_t cpg, block, head = 0, in = 0;
+  explicit ChunkWalk(const Layout& L) : cpg(L.G / 32), block(L.block) {}
+  int64_t data() const { return head + 8 + in * 32; }
+  void next() {
+    if (++in == cpg) in = 0, head += block;
+  }
+};
+
+inline __m512i load_halves(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
 // the headers [s_a s_b m_a m_b] of two chunks' groups -> each row's and chunk's scale (sv) and offset (mv), 4 lanes each
 inline void pair_scales(const uint8_t* h0, const uint8_t* h1, __m512& sv, __m512& mv) {
   const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
@@ -439,7 +455,7 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
                             int64_t N, int64_t p) {
   constexpr int V = XBytes<kAct8>::kVecs;
   const __m512i low4 = _mm512_set1_epi8(15);
-  const int64_t cpg = L.G / 32, block = L.block, chunks = L.K() / 32, cpairs = X.cpairs;
+  const int64_t chunks = L.K() / 32, cpairs = X.cpairs;
   const __m512i* xq[R];
   const __m512 *xs[R], *xm[R];
   for (int r = 0; r < R; ++r) {
@@ -448,24 +464,18 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
   }
   __m512 tot[2][R], off[R];
   for (int r = 0; r < R; ++r) tot[0][r] = tot[1][r] = off[r] = _mm512_setzero_ps();
-  const uint8_t* blk = pw;  // the next chunk's group, and its index there
-  int64_t in = 0;
-  const auto next = [&](const uint8_t*& h, const uint8_t*& d) {
-    h = blk, d = blk + 8 + in * 32;
-    if (++in == cpg) in = 0, blk += block;
-  };
+  ChunkWalk walk(L);
   for (int64_t cp0 = 0; cp0 < cpairs; cp0 += 2) {
 #pragma GCC unroll 2
     for (int j = 0; j < 2; ++j) {
       const int64_t cp = cp0 + j;
       if (cp >= cpairs) break;
-      const uint8_t *h0, *d0, *h1, *d1;
-      next(h0, d0);
-      if (2 * cp + 1 < chunks) next(h1, d1);
-      else h1 = h0, d1 = d0;  // a last odd chunk twice: x's half is zero
+      // a last odd chunk twice: x's half is zero
+      const uint8_t *h0 = pw + walk.head, *d0 = pw + walk.data(), *h1 = h0, *d1 = d0;
+      walk.next();
+      if (2 * cp + 1 < chunks) h1 = pw + walk.head, d1 = pw + walk.data(), walk.next();
       _mm_prefetch(reinterpret_cast<const char*>(d0 + kPrefetch), _MM_HINT_T0);
-      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d0))),
-                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d1)), 1);
+      const __m512i v = load_halves(d0, d1);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       __m512 sv, mv;
       pair_scales(h0, h1, sv, mv);
@@ -493,36 +503,20 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
 // slower streamed, though 1.2x faster in L2: the prefetchers follow runs far apart, not one run read out of step.
 constexpr int kRuns = 4;
 
-// where chunk c of a row pair's stream starts (int4: row a's 16 bytes, then row b's; int8: row a's 32 bytes, row
-// b's G further on) and where its group's header is
-struct Chunks {
-  std::vector<int32_t> data, head;
-  explicit Chunks(const Layout& L) : data(L.K() / 32), head(L.K() / 32) {
-    const int64_t cpg = L.G / 32;
-    for (int64_t c = 0; c < L.K() / 32; ++c) {
-      head[c] = static_cast<int32_t>((c / cpg) * L.block);
-      data[c] = static_cast<int32_t>(head[c] + 8 + (c % cpg) * 32);
-    }
-  }
-};
-
-inline __m512i load_halves(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
 // row pairs q = 0 .. P-1 at pw + q * stride against x's one row, as int4_pair_bytes: y[q * ystride], y[q * ystride + 1]
 template <int P, bool kAct8>
-inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Chunks& C, const XBytes<kAct8>& X, float* y,
+inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, float* y,
                            int64_t ystride) {
   constexpr int V = XBytes<kAct8>::kVecs;
   const __m512i low4 = _mm512_set1_epi8(15);
-  const int64_t chunks = static_cast<int64_t>(C.data.size());
+  const int64_t chunks = L.K() / 32;
   __m512 tot[P], off[P];
   for (int q = 0; q < P; ++q) tot[q] = off[q] = _mm512_setzero_ps();
+  ChunkWalk walk(L);
   for (int64_t cp = 0; cp < X.cpairs; ++cp) {
-    const int64_t c0 = 2 * cp, c1 = c0 + 1 < chunks ? c0 + 1 : c0;  // a last odd chunk twice: x's half is zero
-    const int64_t d0 = C.data[c0], d1 = C.data[c1], h0 = C.head[c0], h1 = C.head[c1];
+    int64_t h0 = walk.head, d0 = walk.data(), h1 = h0, d1 = d0;  // a last odd chunk twice: x's half is zero
+    walk.next();
+    if (2 * cp + 1 < chunks) h1 = walk.head, d1 = walk.data(), walk.next();
     const __m512i* xv = &X.q[cp * V];
 #pragma GCC unroll 4
     for (int q = 0; q < P; ++q) {
@@ -575,14 +569,15 @@ struct XBytes16 {
 
 // row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: a chunk's 32 columns of rows a and b in one vector
 template <int P>
-inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Chunks& C, int64_t G, const XBytes16& X,
-                           float* y, int64_t ystride) {
+inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes16& X, float* y,
+                           int64_t ystride) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 tot[P];
   for (int q = 0; q < P; ++q) tot[q] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < static_cast<int64_t>(C.data.size()); ++c) {
-    const int64_t d = C.data[c], h = C.head[c];
+  ChunkWalk walk(L);
+  for (int64_t c = 0; c < L.K() / 32; ++c, walk.next()) {
+    const int64_t d = walk.data(), h = walk.head;
     const __m512i xlo = _mm512_broadcast_i64x4(X.q[3 * c]), xhi = _mm512_broadcast_i64x4(X.q[3 * c + 1]);
     const __m512i init = _mm512_broadcast_i64x4(X.q[3 * c + 2]);
     const __m512 xs = _mm512_set1_ps(X.scale[c]);
@@ -590,7 +585,7 @@ inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Chunks& C, i
     for (int q = 0; q < P; ++q) {
       const uint8_t* b = pw + q * stride;
       _mm_prefetch(reinterpret_cast<const char*>(b + d + kPrefetch), _MM_HINT_T0);
-      const __m512i v = load_halves(b + d, b + d + G);
+      const __m512i v = load_halves(b + d, b + d + L.G);
       int32_t hs;  // s_a, s_b -> [s_a x 8, s_b x 8]
       std::memcpy(&hs, b + h, 4);
       const __m512 sv = _mm512_permutexvar_ps(s_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hs))));
@@ -626,18 +621,17 @@ void far_pairs(const uint8_t* w, const Layout& L, float* y, RowPairs&& row_pairs
 // one row of x (float or bf16) against every row pair: far_pairs
 template <typename T>
 void gemv_row(const T* x, const uint8_t* w, const Layout& L, float* y, bool act8) {
-  const Chunks C(L);
   if (L.int4) {
     const auto run = [&](const auto& X) {
       far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
-        int4_row_pairs<decltype(P)::value>(pw, stride, C, X, yp, ystride);
+        int4_row_pairs<decltype(P)::value>(pw, stride, L, X, yp, ystride);
       });
     };
     act8 ? run(XBytes<true>(x, 1, L.K())) : run(XBytes<false>(x, 1, L.K()));
   } else {
     const XBytes16 X(x, L.K());
     far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
-      int8_row_pairs<decltype(P)::value>(pw, stride, C, L.G, X, yp, ystride);
+      int8_row_pairs<decltype(P)::value>(pw, stride, L, X, yp, ystride);
     });
   }
 }
@@ -646,7 +640,6 @@ void gemv_row(const T* x, const uint8_t* w, const Layout& L, float* y, bool act8
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t N = L.N(), K = L.K();
 #ifdef MII_QVNNI
-  if (M == 1) return gemv_row(x, w, L, y, act8);
   if (L.int4) {
     const auto run = [&](const auto& X) {
       for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
@@ -1110,8 +1103,11 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
     vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }
-  if (M == 1 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()) {  // as it is: no fp32 copy (~0.3 µs)
-    gemv_row(x2.data_ptr<at::BFloat16>(), wp, L, y.data_ptr<float>(), act8);
+  if (M == 1) {  // bf16 x read as it is: no fp32 copy (~0.3 µs)
+    if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous())
+      gemv_row(x2.data_ptr<at::BFloat16>(), wp, L, y.data_ptr<float>(), act8);
+    else
+      gemv_row(linear_input(x2, K).data_ptr<float>(), wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }
 #endif
