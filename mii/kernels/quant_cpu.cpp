@@ -370,17 +370,27 @@ inline void dot_bytes(__m512i& acc, __m512i u, __m512i s) { __asm__("vpdpbusd %2
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const at::BFloat16* x) { return mii_vec::bf16_load(x); }
 
+// n zeroed vectors of this thread's scratch `slot`, kept from call to call: x's bytes are rebuilt for every decode
+// linear (120 a step), where three allocations each cost more than filling them, in a step whose caches are cold.
+// One user of a slot at a time: each linear_quant call builds one XBytes or XBytes16 and drops it before returning.
+template <typename V, int slot>
+V* scratch(int64_t n) {
+  static thread_local std::vector<V> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  std::memset(static_cast<void*>(buf.data()), 0, n * sizeof(V));
+  return buf.data();
+}
+
 template <bool kAct8>
 struct XBytes {
   static constexpr int kVecs = kAct8 ? 2 : 4;
   int64_t cpairs;
-  std::vector<__m512i> q;
-  std::vector<__m512> scale, sum;
+  __m512i* q;
+  __m512 *scale, *sum;
   template <typename T>  // float, or bf16 (widened exactly: the same values as its fp32 copy)
-  XBytes(const T* x, int64_t M, int64_t K) : cpairs((K / 32 + 1) / 2) {
-    q.assign(M * cpairs * kVecs, _mm512_setzero_si512());
-    scale.assign(M * cpairs, _mm512_setzero_ps());
-    sum.assign(M * cpairs, _mm512_setzero_ps());
+  XBytes(const T* x, int64_t M, int64_t K)
+      : cpairs((K / 32 + 1) / 2), q(scratch<__m512i, 0>(M * cpairs * kVecs)),
+        scale(scratch<__m512, 0>(M * cpairs)), sum(scratch<__m512, 1>(M * cpairs)) {
     constexpr float kInvMax = kAct8 ? 1.f / 127.f : 1.f / 32767.f;
     const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t m = 0; m < M; ++m) {
@@ -504,8 +514,8 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
 constexpr int kRuns = 4;
 
 // row pairs q = 0 .. P-1 at pw + q * stride against x's one row, as int4_pair_bytes: y[q * ystride], y[q * ystride + 1]
-template <int P, bool kAct8>
-inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, float* y,
+template <int P, bool kAct8, typename Out>
+inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, Out* y,
                            int64_t ystride) {
   constexpr int V = XBytes<kAct8>::kVecs;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -534,8 +544,8 @@ inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, c
   for (int q = 0; q < P; ++q) {
     const __m512 s = _mm512_add_ps(tot[q], off[q]);
     const __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-    y[q * ystride] = hsum128(_mm256_castps256_ps128(ab));
-    y[q * ystride + 1] = hsum128(_mm256_extractf128_ps(ab, 1));
+    y[q * ystride] = Out(hsum128(_mm256_castps256_ps128(ab)));
+    y[q * ystride + 1] = Out(hsum128(_mm256_extractf128_ps(ab, 1)));
   }
 }
 
@@ -545,10 +555,10 @@ inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, c
 // the correction x's own (the accumulator starts there). The exact int32 sums of int8_pair's `vpmaddwd`, in lanes
 // of 4 columns. Per chunk: x's low bytes, high bytes, and -128 times each 4 columns' sum of high bytes; its scale.
 struct XBytes16 {
-  std::vector<__m256i> q;  // [chunks, 3]
-  std::vector<float> scale;
+  __m256i* q;  // [chunks, 3]
+  float* scale;
   template <typename T>  // float, or bf16 (widened exactly first)
-  XBytes16(const T* x, int64_t K) : q(K / 32 * 3), scale(K / 32) {
+  XBytes16(const T* x, int64_t K) : q(scratch<__m256i, 0>(K / 32 * 3)), scale(scratch<float, 0>(K / 32)) {
     for (int64_t c = 0; c < K / 32; ++c) {
       float xc[32];
       _mm512_storeu_ps(xc, load16(x + c * 32)), _mm512_storeu_ps(xc + 16, load16(x + c * 32 + 16));
@@ -568,8 +578,8 @@ struct XBytes16 {
 };
 
 // row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: a chunk's 32 columns of rows a and b in one vector
-template <int P>
-inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes16& X, float* y,
+template <int P, typename Out>
+inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes16& X, Out* y,
                            int64_t ystride) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -597,14 +607,14 @@ inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, c
     }
   }
   for (int q = 0; q < P; ++q) {
-    y[q * ystride] = hsum128(_mm_add_ps(_mm512_castps512_ps128(tot[q]), _mm512_extractf32x4_ps(tot[q], 1)));
-    y[q * ystride + 1] = hsum128(_mm_add_ps(_mm512_extractf32x4_ps(tot[q], 2), _mm512_extractf32x4_ps(tot[q], 3)));
+    y[q * ystride] = Out(hsum128(_mm_add_ps(_mm512_castps512_ps128(tot[q]), _mm512_extractf32x4_ps(tot[q], 1))));
+    y[q * ystride + 1] = Out(hsum128(_mm_add_ps(_mm512_extractf32x4_ps(tot[q], 2), _mm512_extractf32x4_ps(tot[q], 3))));
   }
 }
 
 // every row pair against x's one row: each thread's pairs in kRuns runs read in step, the rest one at a time
-template <class RowPairs>
-void far_pairs(const uint8_t* w, const Layout& L, float* y, RowPairs&& row_pairs) {
+template <typename Out, class RowPairs>
+void far_pairs(const uint8_t* w, const Layout& L, Out* y, RowPairs&& row_pairs) {
   const int64_t pair_bytes = L.groups * L.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));
   at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
@@ -618,19 +628,20 @@ void far_pairs(const uint8_t* w, const Layout& L, float* y, RowPairs&& row_pairs
 #endif  // MII_QVNNI
 
 #ifdef MII_QVNNI
-// one row of x (float or bf16) against every row pair: far_pairs
-template <typename T>
-void gemv_row(const T* x, const uint8_t* w, const Layout& L, float* y, bool act8) {
+// one row of x (float or bf16) against every row pair: far_pairs. y: fp32, or bf16 rounded as torch rounds (to
+// nearest even: linear_output's rounding, without its pass over an fp32 copy)
+template <typename T, typename Out>
+void gemv_row(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act8) {
   if (L.int4) {
     const auto run = [&](const auto& X) {
-      far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
+      far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
         int4_row_pairs<decltype(P)::value>(pw, stride, L, X, yp, ystride);
       });
     };
     act8 ? run(XBytes<true>(x, 1, L.K())) : run(XBytes<false>(x, 1, L.K()));
   } else {
     const XBytes16 X(x, L.K());
-    far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
+    far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
       int8_row_pairs<decltype(P)::value>(pw, stride, L, X, yp, ystride);
     });
   }
@@ -1096,6 +1107,17 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t M = x2.size(0);
   const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+#ifdef MII_QVNNI
+  // one bf16 row without a bias (single-stream decode): y written in bf16 by the kernel, no fp32 copy of x or y
+  if (M == 1 && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
+      && !(bias.has_value() && bias->defined())) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    at::Tensor out = at::empty(sizes, x.options());
+    gemv_row(x2.data_ptr<at::BFloat16>(), wp, L, out.data_ptr<at::BFloat16>(), act8);
+    return out;
+  }
+#endif
   auto y = at::empty({M, N}, x2.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return linear_output(y, x, bias);
 #ifdef MII_QVNNI

@@ -125,7 +125,8 @@ def test_bf16_rows_multiply_the_exact_weights(m):
 
 def test_bf16_rows_in_and_out_round_as_torch():
     """Decode rows of bf16 x (up to 8: the streaming kernel on every CPU): widened and rounded (bias added first)
-    by the kernel itself, not by Tensor.to: the same bits as the fp32 call's result rounded by torch."""
+    by the kernel itself, not by Tensor.to: the same bits as the fp32 call's result rounded by torch. A single row
+    without a bias is written in bf16 by the kernel directly (any leading shape, int8 activations too)."""
     kernels.load_cpu_kernels()
     g = torch.Generator().manual_seed(9)
     for n, k, scheme, group in CASES[:5]:
@@ -137,6 +138,11 @@ def test_bf16_rows_in_and_out_round_as_torch():
                 out = quant_linear(x, w, bias)
                 assert out.dtype == torch.bfloat16
                 assert torch.equal(out, quant_linear(x.float(), w, bias).bfloat16())
+        x = torch.randn(1, 1, k, generator=g).bfloat16()
+        for act8 in (False, True) if scheme == "int4" else (False,):
+            out = quant_linear(x, w, None, act8)
+            assert out.shape == (1, 1, n) and out.dtype == torch.bfloat16
+            assert torch.equal(out, quant_linear(x.float(), w, None, act8).bfloat16())
 
 
 @pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None)])
