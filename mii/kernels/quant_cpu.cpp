@@ -9,7 +9,7 @@
 //   unpacks feed `vpmaddwd` against x's 8 columns repeated twice; int8: 16 columns of a row per sign-extending
 //   load. Each chunk's int32 sums are scaled once (x's scale, then the group's weight scale), and int4's offsets
 //   add m * sum(x) per group. On CPUs with AVX-512 VNNI, int4 takes `vpdpbusd` instead, on the nibbles as they are
-//   against x's bytes (int4_pair_bytes): the same exact integers with no unpacking, 1.1-1.2x at one row.
+//   against x's bytes (int4_row_pairs, int4_rows_pairs): the same exact integers with no unpacking, 1.1-1.2x at one row.
 // - `act8` (int4 only, opt-in: `quantize_activations`): x rounded to int8 instead (scale = max |x| / 127), as
 //   llama.cpp's Q8 activations for its 4-bit dot products, so that `vpmaddubsw` multiplies 32 unsigned nibbles by
 //   32 signed bytes in one instruction (x's columns 0-15 and 16-31 each repeated twice). Faster, but an error up
@@ -60,6 +60,10 @@ namespace {
 constexpr int64_t kGemvRows = 32;    // rows of x handled by the streaming kernel; more go through blocked GEMM
 constexpr int64_t kGemmPairs = 64;   // row pairs dequantized at a time for the GEMM path
 constexpr int64_t kPrefetch = 1024;  // bytes ahead
+// more rows of x than this take the tiles rather than the streaming kernel. Measured on a Zen 4 EPYC, 2 threads,
+// bf16 x: even at 8 rows, ahead from 12 (`[3072, 576]` 16 rows 562-688 → 305-495 µs, 32 rows 1,467-1,531 → 580-629;
+// the int8 LM head `[49152, 576]` 32 rows 14.0-15.1 → 7.6-8.8 ms); behind at 4 (the weights are unpacked for few rows)
+constexpr int64_t kTileMinRows = 9;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -459,51 +463,6 @@ inline __m512i nibble_dots(__m512i lo, __m512i hi, const __m512i* xv) {
   return acc;
 }
 
-// R rows of x against row pair p, as int4_pair above: y[m, 2p], y[m, 2p + 1]
-template <int R, bool kAct8>
-inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAct8>& X, int64_t m0, float* y,
-                            int64_t N, int64_t p) {
-  constexpr int V = XBytes<kAct8>::kVecs;
-  const __m512i low4 = _mm512_set1_epi8(15);
-  const int64_t chunks = L.K() / 32, cpairs = X.cpairs;
-  const __m512i* xq[R];
-  const __m512 *xs[R], *xm[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t at = (m0 + r) * cpairs;
-    xq[r] = &X.q[at * V], xs[r] = &X.scale[at], xm[r] = &X.sum[at];
-  }
-  __m512 tot[2][R], off[R];
-  for (int r = 0; r < R; ++r) tot[0][r] = tot[1][r] = off[r] = _mm512_setzero_ps();
-  ChunkWalk walk(L);
-  for (int64_t cp0 = 0; cp0 < cpairs; cp0 += 2) {
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) {
-      const int64_t cp = cp0 + j;
-      if (cp >= cpairs) break;
-      // a last odd chunk twice: x's half is zero
-      const uint8_t *h0 = pw + walk.head, *d0 = pw + walk.data(), *h1 = h0, *d1 = d0;
-      walk.next();
-      if (2 * cp + 1 < chunks) h1 = pw + walk.head, d1 = pw + walk.data(), walk.next();
-      _mm_prefetch(reinterpret_cast<const char*>(d0 + kPrefetch), _MM_HINT_T0);
-      const __m512i v = load_halves(d0, d1);
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      __m512 sv, mv;
-      pair_scales(h0, h1, sv, mv);
-      for (int r = 0; r < R; ++r) {
-        const __m512i acc = nibble_dots<kAct8>(lo, hi, xq[r] + cp * V);
-        tot[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, xs[r][cp]), tot[j][r]);
-        off[r] = _mm512_fmadd_ps(mv, xm[r][cp], off[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(tot[0][r], tot[1][r]), off[r]);
-    const __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-    y[(m0 + r) * N + 2 * p] = hsum128(_mm256_castps256_ps128(ab));
-    y[(m0 + r) * N + 2 * p + 1] = hsum128(_mm256_extractf128_ps(ab, 1));
-  }
-}
-
 // --- one row of x (single-stream decode) on CPUs with AVX-512 VNNI: four streams of row pairs at once -------------
 // A thread reads its row pairs as kRuns runs in step, pairs p, p + S, p + 2S, p + 3S in one pass over x: four
 // sequential streams in flight, and four independent sets of sums. Measured on a Zen 4 EPYC (2 threads, weights
@@ -513,7 +472,7 @@ inline void int4_pair_bytes(const uint8_t* pw, const Layout& L, const XBytes<kAc
 // slower streamed, though 1.2x faster in L2: the prefetchers follow runs far apart, not one run read out of step.
 constexpr int kRuns = 4;
 
-// row pairs q = 0 .. P-1 at pw + q * stride against x's one row, as int4_pair_bytes: y[q * ystride], y[q * ystride + 1]
+// row pairs q = 0 .. P-1 at pw + q * stride against x's one row: y[q * ystride], y[q * ystride + 1]
 template <int P, bool kAct8, typename Out>
 inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, Out* y,
                            int64_t ystride) {
@@ -549,17 +508,62 @@ inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, c
   }
 }
 
+// R rows of x (2-8: a few streams' decode) against row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: each
+// pair's weights unpacked and its scales converted once for all R rows, in one pass (one accumulator a row and run:
+// the scale's and the offset's FMAs in turn). y[r * N + q * ystride], y[r * N + q * ystride + 1].
+template <int P, int R, bool kAct8>
+inline void int4_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, float* y,
+                            int64_t ystride, int64_t N) {
+  constexpr int V = XBytes<kAct8>::kVecs;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const int64_t chunks = L.K() / 32, cpairs = X.cpairs;
+  __m512 tot[P][R];
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) tot[q][r] = _mm512_setzero_ps();
+  ChunkWalk walk(L);
+  for (int64_t cp = 0; cp < cpairs; ++cp) {
+    int64_t h0 = walk.head, d0 = walk.data(), h1 = h0, d1 = d0;  // a last odd chunk twice: x's half is zero
+    walk.next();
+    if (2 * cp + 1 < chunks) h1 = walk.head, d1 = walk.data(), walk.next();
+#pragma GCC unroll 4
+    for (int q = 0; q < P; ++q) {
+      const uint8_t* b = pw + q * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(b + d0 + kPrefetch), _MM_HINT_T0);
+      const __m512i v = load_halves(b + d0, b + d1);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      __m512 sv, mv;
+      pair_scales(b + h0, b + h1, sv, mv);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = r * cpairs + cp;
+        const __m512i acc = nibble_dots<kAct8>(lo, hi, &X.q[at * V]);
+        tot[q][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, X.scale[at]), tot[q][r]);
+        tot[q][r] = _mm512_fmadd_ps(mv, X.sum[at], tot[q][r]);
+      }
+    }
+  }
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = tot[q][r];
+      const __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+      y[r * N + q * ystride] = hsum128(_mm256_castps256_ps128(ab));
+      y[r * N + q * ystride + 1] = hsum128(_mm256_extractf128_ps(ab, 1));
+    }
+}
+
 // int8 weights against x's one row by bytes. x rounded per chunk to int16 as for int8_pair, split as for int4: x =
 // 256 hi + lo, lo unsigned and hi signed. The weights are signed, so sum(w lo) is a `vpdpbusd` with lo as its
 // unsigned operand, and sum(w hi) takes w + 128 (w ^ 0x80, unsigned) against hi: sum((w + 128) hi) - 128 sum(hi),
 // the correction x's own (the accumulator starts there). The exact int32 sums of int8_pair's `vpmaddwd`, in lanes
-// of 4 columns. Per chunk: x's low bytes, high bytes, and -128 times each 4 columns' sum of high bytes; its scale.
+// of 4 columns. Per row and chunk: x's low bytes, high bytes, and -128 times each 4 columns' sum of high bytes; its
+// scale.
 struct XBytes16 {
-  __m256i* q;  // [chunks, 3]
-  float* scale;
+  int64_t chunks;
+  __m256i* q;  // [rows, chunks, 3]
+  float* scale;  // [rows, chunks]
   template <typename T>  // float, or bf16 (widened exactly first)
-  XBytes16(const T* x, int64_t K) : q(scratch<__m256i, 0>(K / 32 * 3)), scale(scratch<float, 0>(K / 32)) {
-    for (int64_t c = 0; c < K / 32; ++c) {
+  XBytes16(const T* x, int64_t M, int64_t K)
+      : chunks(K / 32), q(scratch<__m256i, 0>(M * chunks * 3)), scale(scratch<float, 0>(M * chunks)) {
+    for (int64_t c = 0; c < M * chunks; ++c) {
       float xc[32];
       _mm512_storeu_ps(xc, load16(x + c * 32)), _mm512_storeu_ps(xc + 16, load16(x + c * 32 + 16));
       int16_t v[32];
@@ -577,51 +581,55 @@ struct XBytes16 {
   }
 };
 
-// row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: a chunk's 32 columns of rows a and b in one vector
-template <int P, typename Out>
-inline void int8_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes16& X, Out* y,
-                           int64_t ystride) {
+// R rows of x (1-8) against row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: a chunk's 32 columns of
+// rows a and b in one vector, its bytes and scales read once for all R rows. y[r * N + q * ystride], y[... + 1].
+template <int P, int R, typename Out>
+inline void int8_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes16& X, Out* y,
+                            int64_t ystride, int64_t N) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 tot[P];
-  for (int q = 0; q < P; ++q) tot[q] = _mm512_setzero_ps();
+  __m512 tot[P][R];
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) tot[q][r] = _mm512_setzero_ps();
   ChunkWalk walk(L);
-  for (int64_t c = 0; c < L.K() / 32; ++c, walk.next()) {
+  for (int64_t c = 0; c < X.chunks; ++c, walk.next()) {
     const int64_t d = walk.data(), h = walk.head;
-    const __m512i xlo = _mm512_broadcast_i64x4(X.q[3 * c]), xhi = _mm512_broadcast_i64x4(X.q[3 * c + 1]);
-    const __m512i init = _mm512_broadcast_i64x4(X.q[3 * c + 2]);
-    const __m512 xs = _mm512_set1_ps(X.scale[c]);
 #pragma GCC unroll 4
     for (int q = 0; q < P; ++q) {
       const uint8_t* b = pw + q * stride;
       _mm_prefetch(reinterpret_cast<const char*>(b + d + kPrefetch), _MM_HINT_T0);
-      const __m512i v = load_halves(b + d, b + d + L.G);
+      const __m512i v = load_halves(b + d, b + d + L.G), vf = _mm512_xor_si512(v, flip);
       int32_t hs;  // s_a, s_b -> [s_a x 8, s_b x 8]
       std::memcpy(&hs, b + h, 4);
       const __m512 sv = _mm512_permutexvar_ps(s_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hs))));
-      __m512i acc = init, lo = _mm512_setzero_si512();
-      dot_bytes(acc, _mm512_xor_si512(v, flip), xhi);
-      dot_bytes(lo, xlo, v);
-      acc = _mm512_add_epi32(_mm512_slli_epi32(acc, 8), lo);
-      tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, xs), tot[q]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = r * X.chunks + c;
+        __m512i acc = _mm512_broadcast_i64x4(X.q[3 * at + 2]), lo = _mm512_setzero_si512();
+        dot_bytes(acc, vf, _mm512_broadcast_i64x4(X.q[3 * at + 1]));
+        dot_bytes(lo, _mm512_broadcast_i64x4(X.q[3 * at]), v);
+        acc = _mm512_add_epi32(_mm512_slli_epi32(acc, 8), lo);
+        tot[q][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_set1_ps(X.scale[at])), tot[q][r]);
+      }
     }
   }
-  for (int q = 0; q < P; ++q) {
-    y[q * ystride] = Out(hsum128(_mm_add_ps(_mm512_castps512_ps128(tot[q]), _mm512_extractf32x4_ps(tot[q], 1))));
-    y[q * ystride + 1] = Out(hsum128(_mm_add_ps(_mm512_extractf32x4_ps(tot[q], 2), _mm512_extractf32x4_ps(tot[q], 3))));
-  }
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) {
+      const __m512 t = tot[q][r];
+      y[r * N + q * ystride] = Out(hsum128(_mm_add_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(t, 1))));
+      y[r * N + q * ystride + 1] = Out(hsum128(_mm_add_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(t, 3))));
+    }
 }
 
 // every row pair against x's one row: each thread's pairs in kRuns runs read in step, the rest one at a time
-template <typename Out, class RowPairs>
+template <int Runs = kRuns, typename Out, class RowPairs>
 void far_pairs(const uint8_t* w, const Layout& L, Out* y, RowPairs&& row_pairs) {
   const int64_t pair_bytes = L.groups * L.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));
   at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
-    const int64_t S = (e - b) / kRuns;
+    const int64_t S = (e - b) / Runs;
     for (int64_t p = b; p < b + S; ++p)
-      row_pairs(std::integral_constant<int, kRuns>{}, w + p * pair_bytes, S * pair_bytes, y + 2 * p, 2 * S);
-    for (int64_t p = b + kRuns * S; p < e; ++p)
+      row_pairs(std::integral_constant<int, Runs>{}, w + p * pair_bytes, S * pair_bytes, y + 2 * p, 2 * S);
+    for (int64_t p = b + Runs * S; p < e; ++p)
       row_pairs(std::integral_constant<int, 1>{}, w + p * pair_bytes, 0, y + 2 * p, 0);
   });
 }
@@ -640,9 +648,9 @@ void gemv_row(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act8) 
     };
     act8 ? run(XBytes<true>(x, 1, L.K())) : run(XBytes<false>(x, 1, L.K()));
   } else {
-    const XBytes16 X(x, L.K());
+    const XBytes16 X(x, 1, L.K());
     far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
-      int8_row_pairs<decltype(P)::value>(pw, stride, L, X, yp, ystride);
+      int8_rows_pairs<decltype(P)::value, 1>(pw, stride, L, X, yp, ystride, 0);
     });
   }
 }
@@ -651,16 +659,35 @@ void gemv_row(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act8) 
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t N = L.N(), K = L.K();
 #ifdef MII_QVNNI
-  if (L.int4) {
-    const auto run = [&](const auto& X) {
-      for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
-        int4_pair_bytes<decltype(R)::value>(pw, L, X, m0, y, N, p);
-      });
-    };
-    act8 ? run(XBytes<true>(x, M, K)) : run(XBytes<false>(x, M, K));
-    return;
+  // 2-8 rows (from 9 on: vnni_gemm): every row in one pass over the weights, each thread's pairs as runs far apart
+  // (four up to 4 rows, two from 5: at most 16 accumulators). Alternated in one process, a decode step's 120 int4
+  // linears streamed (2 threads): 2 rows 6.4-6.9 → 5.6-6.3 ms, 3 rows 11.4-11.8 → 9.2-9.6, 8 rows 18.6-26.3 →
+  // 16.2-22.3; the int8 LM head [49152, 576] at 2-3 rows 2.1-2.9 → 1.8-2.0 ms.
+  TORCH_CHECK(M >= 2 && M < kTileMinRows, "linear_quant: ", M, " rows in the decode kernel");
+  const auto rows = [&](auto R, const auto& X) {
+    constexpr int kR = decltype(R)::value, kP = kR <= 4 ? 4 : 2;
+    far_pairs<kP>(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(X)>, XBytes16>)
+        int8_rows_pairs<decltype(P)::value, kR>(pw, stride, L, X, yp, ystride, N);
+      else
+        int4_rows_pairs<decltype(P)::value, kR>(pw, stride, L, X, yp, ystride, N);
+    });
+  };
+  const auto with = [&](auto R) {
+    if (!L.int4) rows(R, XBytes16(x, M, K));
+    else if (act8) rows(R, XBytes<true>(x, M, K));
+    else rows(R, XBytes<false>(x, M, K));
+  };
+  switch (M) {
+    case 2: return with(std::integral_constant<int, 2>{});
+    case 3: return with(std::integral_constant<int, 3>{});
+    case 4: return with(std::integral_constant<int, 4>{});
+    case 5: return with(std::integral_constant<int, 5>{});
+    case 6: return with(std::integral_constant<int, 6>{});
+    case 7: return with(std::integral_constant<int, 7>{});
+    default: return with(std::integral_constant<int, 8>{});
   }
-#endif
+#else
   if (L.int4 && act8) {
     const XQ<int8_t> X(x, M, K, L.G);
     for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
@@ -677,6 +704,7 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
       int8_pair<decltype(R)::value>(pw, L, X, m0, y, N, p);
     });
   }
+#endif
 }
 #endif  // MII_QAVX2
 
@@ -696,10 +724,6 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 //   path's arithmetic up to fp32 summation order.
 // Measured on a Zen 4 EPYC, SmolLM2's shapes at 33-256 rows: vpdpwssd runs at about half vdpbf16ps's rate.
 constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128 bytes)
-// more rows of x than this take the tiles rather than the streaming kernel. Measured on a Zen 4 EPYC, 2 threads,
-// bf16 x: even at 8 rows, ahead from 12 (`[3072, 576]` 16 rows 562-688 → 305-495 µs, 32 rows 1,467-1,531 → 580-629;
-// the int8 LM head `[49152, 576]` 32 rows 14.0-15.1 → 7.6-8.8 ms); behind at 4 (the weights are unpacked for few rows)
-constexpr int64_t kTileMinRows = 9;
 constexpr int kRowsX = 4, kTilesX = 4;  // an int16 block: 4 rows of x by 4 tiles, 16 accumulators in registers
 
 // GCC 12 copies the accumulator around every _mm512_dpwssd_epi32 (its pattern does not tie it to the output),
