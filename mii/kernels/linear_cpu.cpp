@@ -339,13 +339,16 @@ inline void kpair_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y) {
   const int64_t groups = N / 16, group_elems = K * 16;
   constexpr int64_t kSuper = 4;  // 16-row groups a task step handles together (64 rows of w)
+  constexpr int64_t kDecodeRows = 64;  // rows of x up to which the weights stream in far runs
   const int64_t supers = (groups + kSuper - 1) / kSuper;
 #ifdef MII_BF16DP
-  // decode rows (up to 4, the weights read once): each thread's groups as kSuper runs far apart, one group of each
-  // run at a time, four long sequential streams where one 64-row slice after another restarted four short ones.
-  // Alternated in one process, single-stream bf16 decode (2 threads): 10 of 14 steps faster, medians 12.6 → 12.3
-  // and 13.1 → 12.0 ms; the LM head [49152, 576] 2.1-2.3 → 1.7 ms. The same sums in the same order.
-  if (M <= 4) {
+  // decode steps (up to kDecodeRows rows, the weights read once): each thread's groups as kSuper runs far apart, one
+  // group of each run at a time, four long sequential streams where one 64-row slice after another restarted four
+  // short ones. Alternated in one process, single-stream bf16 decode (2 threads): 10 of 14 steps faster, medians
+  // 12.6 → 12.3 and 13.1 → 12.0 ms; the LM head [49152, 576] 2.1-2.3 → 1.7 ms. A decode step's 120 bf16 linears
+  // streamed: 5 rows 11.7 → 10.5 ms, 8 rows 12.5-13.0 → 10.9-11.1, 16 rows 15.8 → 14.9, 64 rows 59.2 → 54.2 (at 256
+  // rows even). The same sums in the same order.
+  if (M <= kDecodeRows) {
     at::parallel_for(0, groups, kSuper, [&](int64_t b, int64_t e) {
       const int64_t S = (e - b) / kSuper;
       for (int64_t g = b; g < b + S; ++g) kpair_rows<4, true>(x, M, K, tiles + g * group_elems, y + g * 16, N, S);
