@@ -11,7 +11,7 @@ from mii.layers.quant import (dequantize, dequantize_rows, dequantize_rows_refer
 # (rows N, inputs K, scheme, group): several groups per row; N not a multiple of 4 or 8 for the kernels' tails
 CASES = [(96, 64, "int8", None), (130, 256, "int8", 32), (66, 576, "int8", None), (64, 96, "int4", 32),
          (98, 384, "int4", 64), (34, 1024, "int4", 128), (576, 1536, "int4", 32)]
-ROWS = [1, 2, 3, 4, 5, 7, 16, 17, 33, 70]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 33, 70]  # 1-8: the decode kernels, one instantiation each
 
 
 def _weight(n, k, scheme, group, g):
