@@ -9,7 +9,7 @@
 //   unpacks feed `vpmaddwd` against x's 8 columns repeated twice; int8: 16 columns of a row per sign-extending
 //   load. Each chunk's int32 sums are scaled once (x's scale, then the group's weight scale), and int4's offsets
 //   add m * sum(x) per group. On CPUs with AVX-512 VNNI, int4 takes `vpdpbusd` instead, on the nibbles as they are
-//   against x's bytes (int4_row_pairs, int4_rows_pairs): the same exact integers with no unpacking, 1.1-1.2x at one row.
+//   against x's bytes (int4_rows_pairs): the same exact integers with no unpacking, 1.1-1.2x at one row.
 // - `act8` (int4 only, opt-in: `quantize_activations`): x rounded to int8 instead (scale = max |x| / 127), as
 //   llama.cpp's Q8 activations for its 4-bit dot products, so that `vpmaddubsw` multiplies 32 unsigned nibbles by
 //   32 signed bytes in one instruction (x's columns 0-15 and 16-31 each repeated twice). Faster, but an error up
@@ -463,56 +463,20 @@ inline __m512i nibble_dots(__m512i lo, __m512i hi, const __m512i* xv) {
   return acc;
 }
 
-// --- one row of x (single-stream decode) on CPUs with AVX-512 VNNI: four streams of row pairs at once -------------
+// --- decode rows (1-8) on CPUs with AVX-512 VNNI: runs of row pairs far apart, in one pass ------------------------
 // A thread reads its row pairs as kRuns runs in step, pairs p, p + S, p + 2S, p + 3S in one pass over x: four
-// sequential streams in flight, and four independent sets of sums. Measured on a Zen 4 EPYC (2 threads, weights
+// sequential streams in flight, and four independent sets of sums (two runs from 5 rows of x, for registers). Measured on a Zen 4 EPYC (2 threads, weights
 // streamed, alternated in one process): a decode step's 120 int4 linears 5.2-5.6 → 4.8-5.2 ms; single-stream int4
 // decode 4-7% faster a step (6 of 8 alternated pairs), int8 weights 5-10% (4 of 4). The same order without the
 // joint pass (one pair at a time, four runs interleaved) was slower, and four adjacent pairs (p .. p + 3) were 2x
 // slower streamed, though 1.2x faster in L2: the prefetchers follow runs far apart, not one run read out of step.
 constexpr int kRuns = 4;
 
-// row pairs q = 0 .. P-1 at pw + q * stride against x's one row: y[q * ystride], y[q * ystride + 1]
-template <int P, bool kAct8, typename Out>
-inline void int4_row_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, Out* y,
-                           int64_t ystride) {
-  constexpr int V = XBytes<kAct8>::kVecs;
-  const __m512i low4 = _mm512_set1_epi8(15);
-  const int64_t chunks = L.K() / 32;
-  __m512 tot[P], off[P];
-  for (int q = 0; q < P; ++q) tot[q] = off[q] = _mm512_setzero_ps();
-  ChunkWalk walk(L);
-  for (int64_t cp = 0; cp < X.cpairs; ++cp) {
-    int64_t h0 = walk.head, d0 = walk.data(), h1 = h0, d1 = d0;  // a last odd chunk twice: x's half is zero
-    walk.next();
-    if (2 * cp + 1 < chunks) h1 = walk.head, d1 = walk.data(), walk.next();
-    const __m512i* xv = &X.q[cp * V];
-#pragma GCC unroll 4
-    for (int q = 0; q < P; ++q) {
-      const uint8_t* b = pw + q * stride;
-      _mm_prefetch(reinterpret_cast<const char*>(b + d0 + kPrefetch), _MM_HINT_T0);
-      const __m512i v = load_halves(b + d0, b + d1);
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      __m512 sv, mv;
-      pair_scales(b + h0, b + h1, sv, mv);
-      const __m512i acc = nibble_dots<kAct8>(lo, hi, xv);
-      tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, X.scale[cp]), tot[q]);
-      off[q] = _mm512_fmadd_ps(mv, X.sum[cp], off[q]);
-    }
-  }
-  for (int q = 0; q < P; ++q) {
-    const __m512 s = _mm512_add_ps(tot[q], off[q]);
-    const __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-    y[q * ystride] = Out(hsum128(_mm256_castps256_ps128(ab)));
-    y[q * ystride + 1] = Out(hsum128(_mm256_extractf128_ps(ab, 1)));
-  }
-}
-
-// R rows of x (2-8: a few streams' decode) against row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: each
-// pair's weights unpacked and its scales converted once for all R rows, in one pass (one accumulator a row and run:
-// the scale's and the offset's FMAs in turn). y[r * N + q * ystride], y[r * N + q * ystride + 1].
-template <int P, int R, bool kAct8>
-inline void int4_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, float* y,
+// R rows of x (1-8: decode) against row pairs q = 0 .. P-1 at pw + q * stride: each pair's nibbles and scales
+// prepared once for all R rows, in one pass (one accumulator a row and run: the scale's and the offset's FMAs in
+// turn). y[r * N + q * ystride], y[r * N + q * ystride + 1].
+template <int P, int R, bool kAct8, typename Out>
+inline void int4_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes<kAct8>& X, Out* y,
                             int64_t ystride, int64_t N) {
   constexpr int V = XBytes<kAct8>::kVecs;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -545,8 +509,8 @@ inline void int4_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, 
     for (int r = 0; r < R; ++r) {
       const __m512 s = tot[q][r];
       const __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-      y[r * N + q * ystride] = hsum128(_mm256_castps256_ps128(ab));
-      y[r * N + q * ystride + 1] = hsum128(_mm256_extractf128_ps(ab, 1));
+      y[r * N + q * ystride] = Out(hsum128(_mm256_castps256_ps128(ab)));
+      y[r * N + q * ystride + 1] = Out(hsum128(_mm256_extractf128_ps(ab, 1)));
     }
 }
 
@@ -581,7 +545,7 @@ struct XBytes16 {
   }
 };
 
-// R rows of x (1-8) against row pairs q = 0 .. P-1 at pw + q * stride, as int4_row_pairs: a chunk's 32 columns of
+// R rows of x (1-8) against row pairs q = 0 .. P-1 at pw + q * stride, as int4_rows_pairs: a chunk's 32 columns of
 // rows a and b in one vector, its bytes and scales read once for all R rows. y[r * N + q * ystride], y[... + 1].
 template <int P, int R, typename Out>
 inline void int8_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, const XBytes16& X, Out* y,
@@ -643,7 +607,7 @@ void gemv_row(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act8) 
   if (L.int4) {
     const auto run = [&](const auto& X) {
       far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
-        int4_row_pairs<decltype(P)::value>(pw, stride, L, X, yp, ystride);
+        int4_rows_pairs<decltype(P)::value, 1>(pw, stride, L, X, yp, ystride, 0);
       });
     };
     act8 ? run(XBytes<true>(x, 1, L.K())) : run(XBytes<false>(x, 1, L.K()));
