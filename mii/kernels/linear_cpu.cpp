@@ -293,7 +293,7 @@ constexpr int64_t kPairTile = 32;
 
 #ifdef MII_BF16DP
 // rows m0 .. m0+MR-1 of x against G 16-row groups (each K/2 tiles) `far` groups apart (1: consecutive), fp32
-// results into y. kStream: the weights are read once (a decode step's few rows: one block of rows), prefetched
+// results into y. kStream: the weights are read once (a decode step's rows, up to 64), prefetched
 // into L2 rather than L1 (a decode step's 120 bf16 linears, 212 MB streamed, 2 threads, alternating runs: 21-30 ->
 // 29-34 GB/s; where many row blocks follow, into L1: [3072, 576] at 64 rows 386-417 GFLOP/s, 295-305 into L2)
 template <int MR, int G, bool kStream = false>

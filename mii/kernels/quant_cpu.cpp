@@ -600,58 +600,44 @@ void far_pairs(const uint8_t* w, const Layout& L, Out* y, RowPairs&& row_pairs) 
 #endif  // MII_QVNNI
 
 #ifdef MII_QVNNI
-// one row of x (float or bf16) against every row pair: far_pairs. y: fp32, or bf16 rounded as torch rounds (to
-// nearest even: linear_output's rounding, without its pass over an fp32 copy)
-template <typename T, typename Out>
-void gemv_row(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act8) {
-  if (L.int4) {
-    const auto run = [&](const auto& X) {
-      far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
-        int4_rows_pairs<decltype(P)::value, 1>(pw, stride, L, X, yp, ystride, 0);
-      });
-    };
-    act8 ? run(XBytes<true>(x, 1, L.K())) : run(XBytes<false>(x, 1, L.K()));
-  } else {
-    const XBytes16 X(x, 1, L.K());
-    far_pairs(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
-      int8_rows_pairs<decltype(P)::value, 1>(pw, stride, L, X, yp, ystride, 0);
+// R rows of x (1-8, float or bf16: decode) against every row pair in one pass over the weights, each thread's pairs
+// as runs far apart (four up to 4 rows, two from 5: at most 16 accumulators). y: fp32, or bf16 rounded as torch
+// rounds (to nearest even: linear_output's rounding, without its pass over an fp32 copy). Alternated in one process,
+// a decode step's 120 int4 linears streamed (2 threads): 2 rows 6.4-6.9 → 5.6-6.3 ms, 3 rows 11.4-11.8 → 9.2-9.6,
+// 8 rows 18.6-26.3 → 16.2-22.3 (one pair and four rows at a time before); the int8 LM head [49152, 576] at 2-3 rows
+// 2.1-2.9 → 1.8-2.0 ms.
+template <int R, typename T, typename Out>
+void decode_rows(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act8) {
+  constexpr int kP = R <= 4 ? kRuns : 2;
+  const int64_t N = L.N(), K = L.K();
+  const auto run = [&](const auto& X) {
+    far_pairs<kP>(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, Out* yp, int64_t ystride) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(X)>, XBytes16>)
+        int8_rows_pairs<decltype(P)::value, R>(pw, stride, L, X, yp, ystride, N);
+      else
+        int4_rows_pairs<decltype(P)::value, R>(pw, stride, L, X, yp, ystride, N);
     });
-  }
+  };
+  if (!L.int4) run(XBytes16(x, R, K));
+  else if (act8) run(XBytes<true>(x, R, K));
+  else run(XBytes<false>(x, R, K));
 }
 #endif
 
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
-  const int64_t N = L.N(), K = L.K();
 #ifdef MII_QVNNI
-  // 2-8 rows (from 9 on: vnni_gemm): every row in one pass over the weights, each thread's pairs as runs far apart
-  // (four up to 4 rows, two from 5: at most 16 accumulators). Alternated in one process, a decode step's 120 int4
-  // linears streamed (2 threads): 2 rows 6.4-6.9 → 5.6-6.3 ms, 3 rows 11.4-11.8 → 9.2-9.6, 8 rows 18.6-26.3 →
-  // 16.2-22.3; the int8 LM head [49152, 576] at 2-3 rows 2.1-2.9 → 1.8-2.0 ms.
   TORCH_CHECK(M >= 2 && M < kTileMinRows, "linear_quant: ", M, " rows in the decode kernel");
-  const auto rows = [&](auto R, const auto& X) {
-    constexpr int kR = decltype(R)::value, kP = kR <= 4 ? 4 : 2;
-    far_pairs<kP>(w, L, y, [&](auto P, const uint8_t* pw, int64_t stride, float* yp, int64_t ystride) {
-      if constexpr (std::is_same_v<std::decay_t<decltype(X)>, XBytes16>)
-        int8_rows_pairs<decltype(P)::value, kR>(pw, stride, L, X, yp, ystride, N);
-      else
-        int4_rows_pairs<decltype(P)::value, kR>(pw, stride, L, X, yp, ystride, N);
-    });
-  };
-  const auto with = [&](auto R) {
-    if (!L.int4) rows(R, XBytes16(x, M, K));
-    else if (act8) rows(R, XBytes<true>(x, M, K));
-    else rows(R, XBytes<false>(x, M, K));
-  };
-  switch (M) {
-    case 2: return with(std::integral_constant<int, 2>{});
-    case 3: return with(std::integral_constant<int, 3>{});
-    case 4: return with(std::integral_constant<int, 4>{});
-    case 5: return with(std::integral_constant<int, 5>{});
-    case 6: return with(std::integral_constant<int, 6>{});
-    case 7: return with(std::integral_constant<int, 7>{});
-    default: return with(std::integral_constant<int, 8>{});
+  switch (M) {  // (from 9 rows on: vnni_gemm)
+    case 2: return decode_rows<2>(x, w, L, y, act8);
+    case 3: return decode_rows<3>(x, w, L, y, act8);
+    case 4: return decode_rows<4>(x, w, L, y, act8);
+    case 5: return decode_rows<5>(x, w, L, y, act8);
+    case 6: return decode_rows<6>(x, w, L, y, act8);
+    case 7: return decode_rows<7>(x, w, L, y, act8);
+    default: return decode_rows<8>(x, w, L, y, act8);
   }
 #else
+  const int64_t N = L.N(), K = L.K();
   if (L.int4 && act8) {
     const XQ<int8_t> X(x, M, K, L.G);
     for_pairs(w, M, L, [&](auto R, const uint8_t* pw, int64_t m0, int64_t p) {
@@ -1102,7 +1088,7 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     at::Tensor out = at::empty(sizes, x.options());
-    gemv_row(x2.data_ptr<at::BFloat16>(), wp, L, out.data_ptr<at::BFloat16>(), act8);
+    decode_rows<1>(x2.data_ptr<at::BFloat16>(), wp, L, out.data_ptr<at::BFloat16>(), act8);
     return out;
   }
 #endif
@@ -1115,9 +1101,9 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   }
   if (M == 1) {  // bf16 x read as it is: no fp32 copy (~0.3 µs)
     if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous())
-      gemv_row(x2.data_ptr<at::BFloat16>(), wp, L, y.data_ptr<float>(), act8);
+      decode_rows<1>(x2.data_ptr<at::BFloat16>(), wp, L, y.data_ptr<float>(), act8);
     else
-      gemv_row(linear_input(x2, K).data_ptr<float>(), wp, L, y.data_ptr<float>(), act8);
+      decode_rows<1>(linear_input(x2, K).data_ptr<float>(), wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }
 #endif
