@@ -75,7 +75,8 @@ def test_fault_under_load(pressured, url, tiny_model):
                                                                ignore_eos=True))}
     victim = pressured.record["replicas"][0]
     outcomes, failures_after_kill = [], []
-    killed_at, seen = [], []  # seen: the victim's (running, live sequences, their tokens), requests done, per poll
+    killed_at, seen = [], []  # seen, per poll: the victim's (running, live sequences, their tokens), the
+    # gateway's tokens of its unfinished requests, requests done
 
     async def one(oai, stub, i, j):
         p = prompts[(i + j) % len(prompts)]
@@ -116,23 +117,32 @@ def test_fault_under_load(pressured, url, tiny_model):
     async def victim_stats(stub):
         return (await stub.EngineStats(empty_pb2.Empty(), timeout=10)).replicas[0]
 
-    async def killer(idle):
+    async def answered_tokens(http):
+        """The gateway's view of the victim: tokens it forwarded, less n per sequence it saw finish."""
+        text = (await http.get(f"{url}/metrics", timeout=10)).text
+        index = str(victim["index"])
+        return metric(text, "mii_generation_tokens_total", replica=index) - n * metric(text, "mii_requests_total",
+                                                                                       replica=index)
+
+    async def killer(idle, idle_answered):
         while len(outcomes) < 24:  # a quarter of the load done: both replicas are busy
             await asyncio.sleep(0.01)
-        # Requests of equal length run in waves that end together: the victim may be between waves now, holding only
-        # requests that have not answered yet (those are retried on the other replica, not failed). Every request
-        # makes exactly n tokens, so the tokens of the victim's unfinished sequences are its tokens since it was idle
-        # less n per finished sequence; kill it once they have on average at least one each (answered requests) and
-        # at most half of theirs (not all about to finish). Polls go on while the load lasts, not a fixed number.
-        async with grpc.aio.insecure_channel(victim["address"]) as channel:
+        # Requests of equal length run in waves that end together: the victim may be between waves, or its tokens may
+        # not have reached the gateway yet; a request that has not answered is retried on the other replica, not
+        # failed. So kill it once the gateway holds tokens of the victim's unfinished requests (those have answered
+        # and must fail), while its unfinished sequences have on average at most half of their n tokens (not all
+        # about to finish). Every request makes exactly n tokens: a side's unfinished tokens are its tokens since
+        # idle less n per finished sequence. Polls go on while the load lasts, not a fixed number.
+        async with grpc.aio.insecure_channel(victim["address"]) as channel, httpx.AsyncClient() as http:
             victim_stub = pb2_grpc.ModelResponseStub(channel)
             while len(outcomes) < 96 - 16:
                 s = await victim_stats(victim_stub)
+                answered = await answered_tokens(http) - idle_answered
                 live = s.num_running + s.num_waiting
                 finished = s.requests_total - idle.requests_total - live
                 live_tokens = s.generation_tokens_total - idle.generation_tokens_total - n * finished
-                seen.append((s.num_running, live, live_tokens, len(outcomes)))
-                if s.num_running and live <= live_tokens <= live * n // 2:
+                seen.append((s.num_running, live, live_tokens, answered, len(outcomes)))
+                if s.num_running and answered >= 1 and max(answered, live_tokens) <= live * n // 2:
                     break
                 await asyncio.sleep(0.005)
         killed_at.append(time.monotonic())
@@ -152,7 +162,9 @@ def test_fault_under_load(pressured, url, tiny_model):
             async with grpc.aio.insecure_channel(victim["address"]) as victim_channel:
                 idle = await victim_stats(pb2_grpc.ModelResponseStub(victim_channel))
             assert idle.num_running == idle.num_waiting == 0
-            kill = asyncio.create_task(killer(idle))
+            async with httpx.AsyncClient() as http:
+                idle_answered = await answered_tokens(http)
+            kill = asyncio.create_task(killer(idle, idle_answered))
             await asyncio.wait_for(asyncio.gather(*(client(i, oai, stub) for i in range(16))), 300)  # none hangs
             return await kill
 
