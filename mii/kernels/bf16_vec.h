@@ -1,8 +1,9 @@
 // bf16 <-> fp32 for 16 values at a time (AVX-512), with c10::BFloat16's arithmetic: a bf16 is the upper half of
 // its fp32, and fp32 -> bf16 rounds to nearest even (NaN -> 0x7FC0), as torch rounds. Integer operations only, so
 // -ffast-math cannot change them, and denormals round like any other value (AVX512-BF16's vcvtneps2bf16 flushes
-// them). And a 16 x 16 transpose of 32-bit lanes (the int4 GEMM's tiles, attention's keys as pairs). Included by
-// the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
+// them). And a 16 x 16 transpose of 32-bit lanes (the int4 GEMM's tiles, attention's keys as pairs), and the
+// split of x's rows into register blocks of 4 and 3 (the GEMMs' `vdpbf16ps` blocks). Included by the kernels'
+// sources; part of the build's hash (mii/kernels/__init__.py).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -60,6 +61,24 @@ inline void transpose16(const __m512i* r, __m512i* out) {
     _mm512_store_si512(out + 4 + j, _mm512_shuffle_i32x4(v1, w1, 0x88));
     _mm512_store_si512(out + 12 + j, _mm512_shuffle_i32x4(v1, w1, 0xDD));
   }
+}
+
+// f(m0, R) over M rows of x in blocks of R = 4 rows, and of 3 where M is not a multiple of 4 (5: 3 + 2; 1, 2, 3,
+// 4: one block). A GEMM block's accumulators are its rows times its weight vectors, each one chain of dependent
+// `vdpbf16ps` (a few cycles each): a last block of 1 or 2 rows has too few chains to keep the unit busy and costs
+// about what 3 rows do. Each row's sums are the same whatever its block. Measured on a Zen 4 EPYC (2 threads,
+// alternated in one process, a layer's four int4 linears in cache): 9, 13, 17 and 33 rows 7-16% faster.
+template <class F>
+inline void by_fours_and_threes(int64_t M, F&& f) {
+  const int64_t threes = (4 - M % 4) % 4;
+  if (M < 3 * threes) {
+    if (M == 5) f(0, 3), f(3, 2);
+    else f(0, static_cast<int>(M));
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 3 * threes < M; m += 4) f(m, 4);
+  for (; m < M; m += 3) f(m, 3);
 }
 
 }  // namespace mii_vec

@@ -321,17 +321,18 @@ inline void kpair_block(const uint16_t* x, int64_t K, const uint16_t* w, float* 
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(y + m * N + g * far * 16, acc[m][g]);
 }
 
-// every row of x against G groups `far` apart: rows of x 4 at a time (16 accumulators), the tail 1-3
+// every row of x against G groups `far` apart: rows of x in blocks of 4 (16 accumulators) and 3
 template <int G, bool kStream>
 inline void kpair_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N,
                        int64_t far = 1) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) kpair_block<4, G, kStream>(x + m * K, K, w, y + m * N, N, far);
-  switch (M - m) {
-    case 3: kpair_block<3, G, kStream>(x + m * K, K, w, y + m * N, N, far); break;
-    case 2: kpair_block<2, G, kStream>(x + m * K, K, w, y + m * N, N, far); break;
-    case 1: kpair_block<1, G, kStream>(x + m * K, K, w, y + m * N, N, far); break;
-  }
+  mii_vec::by_fours_and_threes(M, [&](int64_t m, int R) {
+    switch (R) {
+      case 4: kpair_block<4, G, kStream>(x + m * K, K, w, y + m * N, N, far); break;
+      case 3: kpair_block<3, G, kStream>(x + m * K, K, w, y + m * N, N, far); break;
+      case 2: kpair_block<2, G, kStream>(x + m * K, K, w, y + m * N, N, far); break;
+      default: kpair_block<1, G, kStream>(x + m * K, K, w, y + m * N, N, far);
+    }
+  });
 }
 #endif
 

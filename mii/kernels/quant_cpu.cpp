@@ -997,11 +997,11 @@ void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 
 #ifdef MII_QBF16
 // bf16 x against a task's nt tiles: two tiles at a time (they stay in L1/L2 while every row of x passes), the rows
-// four at a time, then the rest
+// in blocks of 4 and 3
 template <int NT>
 void bf16_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
                int64_t N, int64_t n0) {
-  by_quads(M, [&](int64_t m, int R) {
+  mii_vec::by_fours_and_threes(M, [&](int64_t m, int R) {
     switch (R) {
       case 4: bf16_block<4, NT>(X, m, K, L, T, t0, y, N, n0); break;
       case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, N, n0); break;

@@ -97,6 +97,17 @@ def test_bf16_rows_in_and_out_round_as_torch(tiles):
             assert torch.equal(out, torch.ops.mii.linear_bf16w(x.float(), wt, bias).bfloat16())
 
 
+def test_a_kpair_row_does_not_depend_on_its_block():
+    """k-pair tiles take x's rows in register blocks of 4 and 3 (2 and 1 only below 6 rows), streamed up to 64
+    rows and from L2 beyond: each row's sums are the same, in the same order, whichever block and path it takes."""
+    g = torch.Generator().manual_seed(4)
+    w = tile_bf16_kpairs(torch.randn(96, 576, generator=g).bfloat16())
+    x = torch.randn(70, 576, generator=g).bfloat16()
+    full = torch.ops.mii.linear_bf16w(x, w, None)
+    for m in (5, 9, 10, 11, 13, 33, 65):
+        assert torch.equal(torch.ops.mii.linear_bf16w(x[:m], w, None), full[:m]), m
+
+
 @pytest.mark.parametrize("tile", [tile_bf16w, tile_bf16_kpairs])
 def test_tiled_rows_kernel_reads_what_the_views_read(tile):
     """mii::tiled_rows against the torch indexing of the tiles on a real-sized tied LM head (any ids' shape, an

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mii import kernels
+from mii.envs import cpu_flags
 from mii.layers.quant import (dequantize, dequantize_rows, dequantize_rows_reference, pack_int4, quant_linear,
                               quant_linear_reference, quantize_int4, quantize_int8, round_activations_int8)
 
@@ -121,6 +122,26 @@ def test_bf16_rows_multiply_the_exact_weights(m):
     assert (err <= bound).all(), f"max error {err.max():.3g} where the bound is {bound[err > bound].min():.3g}"
     rounded = x.double() @ wd.bfloat16().double().T  # what bf16-rounded weights would give
     assert ((rounded - ref).abs() > 2 ** -16 * (x.double().abs() @ wd.abs().T)).any()
+
+
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_does_not_depend_on_its_block(scheme, group, dtype):
+    """From 9 rows on, x's rows go through register blocks of 4 and 3 (2 and 1 only below 6 rows): whichever block
+    a row lands in, its sums are the same, in the same order. On CPUs with the tile path (AVX-512 VNNI and VBMI)
+    the same bits; elsewhere ATen's fp32 GEMM is only as close as its summation order."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(3)
+    w = _weight(100, 576, scheme, group, g)
+    x = torch.randn(40, 576, generator=g).to(dtype)
+    full = quant_linear(x, w, None)
+    exact = {"avx512_vnni", "avx512_vbmi"} <= cpu_flags()
+    for m in (9, 10, 11, 13, 17, 33):
+        part = quant_linear(x[:m], w, None)
+        if exact:
+            assert torch.equal(part, full[:m]), m
+        else:
+            torch.testing.assert_close(part, full[:m], rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_rows_in_and_out_round_as_torch():
