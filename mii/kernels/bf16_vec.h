@@ -81,5 +81,15 @@ inline void by_fours_and_threes(int64_t M, F&& f) {
   for (; m < M; m += 3) f(m, 3);
 }
 
+// units of work per task, `most` or half of it, whichever ends sooner when `threads` threads take the tasks in
+// turn (the fewest units on the busiest thread; ties to the bigger task)
+inline int64_t balanced_share(int64_t units, int64_t threads, int64_t most) {
+  auto busiest = [&](int64_t per) {
+    const int64_t tasks = (units + per - 1) / per;
+    return (tasks + threads - 1) / threads * per;
+  };
+  return busiest(most / 2) < busiest(most) ? most / 2 : most;
+}
+
 }  // namespace mii_vec
 #endif

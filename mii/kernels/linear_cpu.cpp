@@ -341,7 +341,6 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
   const int64_t groups = N / 16, group_elems = K * 16;
   constexpr int64_t kSuper = 4;  // 16-row groups a task step handles together (64 rows of w)
   constexpr int64_t kDecodeRows = 64;  // rows of x up to which the weights stream in far runs
-  const int64_t supers = (groups + kSuper - 1) / kSuper;
 #ifdef MII_BF16DP
   // decode steps (up to kDecodeRows rows, the weights read once): each thread's groups as kSuper runs far apart, one
   // group of each run at a time, four long sequential streams where one 64-row slice after another restarted four
@@ -360,15 +359,23 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
   }
 #endif
   // more rows: each 64-row slice of w (K * 128 bytes) is read from memory once and stays in L2 while every row of
-  // x passes
-  at::parallel_for(0, supers, 1, [&](int64_t b, int64_t e) {
+  // x passes; 32-row slices where that evens out the threads' shares (a [576, K] weight's 36 groups as 18 tasks,
+  // not 9: 5 on one thread, 4 on the other)
+#ifdef MII_BF16DP
+  const int64_t per_task = mii_vec::balanced_share(groups, at::get_num_threads(), kSuper);
+#else
+  const int64_t per_task = kSuper;
+#endif
+  at::parallel_for(0, (groups + per_task - 1) / per_task, 1, [&](int64_t b, int64_t e) {
     for (int64_t sg = b; sg < e; ++sg) {
-      const int64_t g0 = sg * kSuper, ng = std::min(kSuper, groups - g0);
+      const int64_t g0 = sg * per_task, ng = std::min(per_task, groups - g0);
       const uint16_t* w = tiles + g0 * group_elems;
       float* yb = y + g0 * 16;
 #ifdef MII_BF16DP
-      if (ng == kSuper) {
+      if (ng == 4) {
         kpair_rows<4, false>(x, M, K, w, yb, N);
+      } else if (ng == 2) {
+        kpair_rows<2, false>(x, M, K, w, yb, N);
       } else {
         for (int64_t g = 0; g < ng; ++g) kpair_rows<1, false>(x, M, K, w + g * group_elems, yb + g * 16, N);
       }

@@ -1024,7 +1024,10 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
   const XPairs X(x, L.G, act8 && L.int4);
   // tasks of kVnniTiles 16-row tiles, taken one at a time from a shared counter: threads that run at different
   // speeds (a shared machine) end together, where even shares of the tiles left one waiting at the barrier
-  const int64_t tiles = (N + 15) / 16, tasks = (tiles + kVnniTiles - 1) / kVnniTiles;
+  const int64_t tiles = (N + 15) / 16;
+  // (or half as many, where that evens out the threads' shares: a [576, K] weight's 36 tiles as 18 tasks, not 9)
+  const int64_t per_task = mii_vec::balanced_share(tiles, at::get_num_threads(), kVnniTiles);
+  const int64_t tasks = (tiles + per_task - 1) / per_task;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -1036,7 +1039,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
     mw.resize(sw.size());
     const Tiles T{data.data(), sw.data(), mw.data(), K / 2, L.groups * 16};
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int64_t t0 = task * kVnniTiles, nt = std::min(kVnniTiles, tiles - t0);
+      const int64_t t0 = task * per_task, nt = std::min(per_task, tiles - t0);
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
 #ifdef MII_QBF16
       if (X.bf16) {

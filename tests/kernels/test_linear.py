@@ -99,11 +99,14 @@ def test_bf16_rows_in_and_out_round_as_torch(tiles):
 
 def test_a_kpair_row_does_not_depend_on_its_block():
     """k-pair tiles take x's rows in register blocks of 4 and 3 (2 and 1 only below 6 rows), streamed up to 64
-    rows and from L2 beyond: each row's sums are the same, in the same order, whichever block and path it takes."""
+    rows and from L2 beyond (there in slices of 64 or, where that evens out the threads' shares, 32 weight rows:
+    [576, K] with 2 threads): each row's sums are the same, in the same order, whichever block and path it takes."""
     g = torch.Generator().manual_seed(4)
-    w = tile_bf16_kpairs(torch.randn(96, 576, generator=g).bfloat16())
+    wb = torch.randn(576, 576, generator=g).bfloat16()
+    w = tile_bf16_kpairs(wb)
     x = torch.randn(70, 576, generator=g).bfloat16()
     full = torch.ops.mii.linear_bf16w(x, w, None)
+    torch.testing.assert_close(full.double(), _reference(x, wb, None), rtol=2 ** -8, atol=1e-3 * 576 ** 0.5)
     for m in (5, 9, 10, 11, 13, 33, 65):
         assert torch.equal(torch.ops.mii.linear_bf16w(x[:m], w, None), full[:m]), m
 
