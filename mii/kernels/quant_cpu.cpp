@@ -522,11 +522,11 @@ inline void int4_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, 
 // scale.
 struct XBytes16 {
   int64_t chunks;
-  __m256i* q;  // [rows, chunks, 3]
+  __m512i* q;  // [rows, chunks, 3], each 256 bits twice (rows a and b of a weight pair)
   float* scale;  // [rows, chunks]
   template <typename T>  // float, or bf16 (widened exactly first)
   XBytes16(const T* x, int64_t M, int64_t K)
-      : chunks(K / 32), q(scratch<__m256i, 0>(M * chunks * 3)), scale(scratch<float, 0>(M * chunks)) {
+      : chunks(K / 32), q(scratch<__m512i, 0>(M * chunks * 3)), scale(scratch<float, 0>(M * chunks)) {
     for (int64_t c = 0; c < M * chunks; ++c) {
       float xc[32];
       _mm512_storeu_ps(xc, load16(x + c * 32)), _mm512_storeu_ps(xc + 16, load16(x + c * 32 + 16));
@@ -538,9 +538,9 @@ struct XBytes16 {
         lo[k] = static_cast<uint8_t>(v[k] & 255), hi[k] = static_cast<uint8_t>(v[k] >> 8);
         init[k / 4] -= 128 * (v[k] >> 8);
       }
-      q[3 * c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
-      q[3 * c + 1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
-      q[3 * c + 2] = _mm256_load_si256(reinterpret_cast<const __m256i*>(init));
+      q[3 * c] = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)));
+      q[3 * c + 1] = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(hi)));
+      q[3 * c + 2] = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(init)));
     }
   }
 };
@@ -568,9 +568,9 @@ inline void int8_rows_pairs(const uint8_t* pw, int64_t stride, const Layout& L, 
       const __m512 sv = _mm512_permutexvar_ps(s_idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(hs))));
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * X.chunks + c;
-        __m512i acc = _mm512_broadcast_i64x4(X.q[3 * at + 2]), lo = _mm512_setzero_si512();
-        dot_bytes(acc, vf, _mm512_broadcast_i64x4(X.q[3 * at + 1]));
-        dot_bytes(lo, _mm512_broadcast_i64x4(X.q[3 * at]), v);
+        __m512i acc = X.q[3 * at + 2], lo = _mm512_setzero_si512();
+        dot_bytes(acc, vf, X.q[3 * at + 1]);
+        dot_bytes(lo, X.q[3 * at], v);
         acc = _mm512_add_epi32(_mm512_slli_epi32(acc, 8), lo);
         tot[q][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, _mm512_set1_ps(X.scale[at])), tot[q][r]);
       }
