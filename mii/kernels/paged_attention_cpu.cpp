@@ -365,61 +365,6 @@ inline void softmax_step(float* sr, int64_t first, int64_t last, float& m, float
   for (int64_t e = 0; e < d; ++e) ar[e] *= c;
 }
 
-#ifdef MII_ATTN_BF16
-// exp(x) for x <= 0, 16 lanes: 2^k exp(r) with k = round(x / ln 2), r = x - k ln 2 (in two parts, Cody-Waite) and
-// exp(r) by Cephes' expf polynomial on |r| <= ln 2 / 2 (within 2 ulp of expf); x below -100 gives 0 or a denormal
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, k);
-}
-
-// softmax_step for the in-place loop, 16 scores at a time with masks for [first, last) (scores outside are left
-// as they are: the callers zeroed them); the accumulators are rescaled only when the maximum moves (by exp(0) = 1
-// otherwise: the same values)
-inline void softmax_step16(float* sr, int64_t first, int64_t last, float& m, float& l, float* ar, int64_t d) {
-  const int64_t a = first & ~int64_t(15);
-  auto lanes = [&](int64_t j) {
-    const int64_t lo = std::max<int64_t>(first - j, 0), hi = std::min<int64_t>(last - j, 16);
-    return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-  };
-  __m512 vmax = _mm512_set1_ps(m);
-  for (int64_t j = a; j < last; j += 16) {
-    const __mmask16 k = lanes(j);
-    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, sr + j));
-  }
-  const float mx = _mm512_reduce_max_ps(vmax);
-  const __m512 mv = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = a; j < last; j += 16) {
-    const __mmask16 k = lanes(j);
-    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + j), mv));
-    _mm512_mask_storeu_ps(sr + j, k, e);
-    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
-  }
-  const float sum = _mm512_reduce_add_ps(vsum);
-  if (mx > m) {
-    const float c = std::exp(m - mx);
-    const __m512 cv = _mm512_set1_ps(c);
-    for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(ar + e, _mm512_mul_ps(_mm512_loadu_ps(ar + e), cv));
-    l = l * c + sum;
-    m = mx;
-  } else {
-    l += sum;
-  }
-}
-#endif
-
 // T: the queries' and the output's dtype; C: the cache's (T, or bf16/fp16 under fp32 queries)
 template <typename T, typename C>
 void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_t* query_start,
@@ -588,7 +533,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
                 else scores_bf16<128>(qr, kr, first, last, fscale, sr);
               }
-              softmax_step16(sr, first, last, m[r], l[r], acc + r * d, d);
+              softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
               lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
             }
             if (hi_j > lo_j) {
