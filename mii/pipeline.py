@@ -160,17 +160,21 @@ class MIIPipeline:
 
     def _generate(self, prompts, kwargs) -> list[Response]:
         call, outputs, _ = self._submit(prompts, kwargs)
-        for outs in self._steps(call, outputs):
-            outputs.update(outs)
+        with contextlib.closing(self._steps(call, outputs)) as steps:
+            for outs in steps:
+                outputs.update(outs)
         return outputs.responses()
 
     def stream(self, prompts, **kwargs) -> Iterator[Union[Response, list[Response]]]:
         """Yield chunks as they are generated: a `Response` per chunk for a single prompt, or for a list of
         prompts a `list[Response]` (one per sequence, empty text when it had nothing new) per engine step."""
         call, outputs, single = self._submit(prompts, kwargs)
-        for outs in self._steps(call, outputs):
-            chunk = outputs.chunk(outputs.update(outs))
-            yield chunk[0] if single and len(chunk) == 1 else chunk
+        # closed explicitly: a stream closed early (or an error here) aborts what is left at once, not whenever
+        # the garbage collector gets to the inner generator
+        with contextlib.closing(self._steps(call, outputs)) as steps:
+            for outs in steps:
+                chunk = outputs.chunk(outputs.update(outs))
+                yield chunk[0] if single and len(chunk) == 1 else chunk
 
 
 def pipeline(model_name_or_path: Optional[str] = None, model_config=None, all_rank_output: bool = False,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -221,13 +222,16 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
             self.loop.abort(value)
 
     async def GeneratorReplyStream(self, request, context):
-        async for outputs, news, elapsed in self._generate(request, context):
-            yield to_multi_reply(outputs.chunk(news), elapsed)
+        # aclosing: a cancelled stream aborts its sequences at once, not when the event loop finalizes `_generate`
+        async with contextlib.aclosing(self._generate(request, context)) as steps:
+            async for outputs, news, elapsed in steps:
+                yield to_multi_reply(outputs.chunk(news), elapsed)
 
     async def GeneratorReply(self, request, context):
         outputs, elapsed = None, 0.0
-        async for outputs, _, elapsed in self._generate(request, context):
-            pass
+        async with contextlib.aclosing(self._generate(request, context)) as steps:
+            async for outputs, _, elapsed in steps:
+                pass
         return to_multi_reply(outputs.responses() if outputs is not None else [], elapsed)
 
     async def EngineStats(self, request, context):

@@ -228,8 +228,25 @@ def test_interleaved_streams_keep_their_outputs(default_pipe, chat_prompt):
                 done[i] = chunk is None
                 texts[i] += chunk.generated_text if chunk is not None else ""
     assert texts == [r.generated_text for r in expected]
+    engine = default_pipe.engine
+    left = lambda: {uid: (r.seq.status, r.seq.num_generated) for uid, r in engine.requests.items()}
+    assert not engine.has_unfinished(), f"finished streams left requests: {left()}"
     c = default_pipe.stream(chat_prompt, **kw)
     next(c)
+    assert len(engine.requests) == 1
+    c.close()
+    assert not engine.has_unfinished(), f"a closed stream left requests: {left()}"
+    assert default_pipe.engine.kv.allocator.num_free == default_pipe.engine.kv.num_blocks
+
+
+def test_a_closed_stream_aborts_at_once(default_pipe, chat_prompt, monkeypatch):
+    """Closing a stream aborts its sequences then and there, also while something else (a stored traceback, a
+    debugger) still holds the generator that runs the engine's steps."""
+    held, steps = [], default_pipe._steps
+    monkeypatch.setattr(default_pipe, "_steps", lambda *a: held.append(steps(*a)) or held[-1])
+    c = default_pipe.stream([chat_prompt, "Once upon a time"], max_new_tokens=10, ignore_eos=True)
+    next(c)
+    assert len(default_pipe.engine.requests) == 2
     c.close()
     assert not default_pipe.engine.has_unfinished()
     assert default_pipe.engine.kv.allocator.num_free == default_pipe.engine.kv.num_blocks
