@@ -100,6 +100,9 @@ class EnginePlan:
                 ("prefix caching", "on" if self.prefix_caching else "off")]
         if self.cuda_graphs:
             rows.append(("cuda graphs", self.cuda_graphs))
+        amx = self.amx()
+        if amx:
+            rows.append(("matrix units", amx))
         rows.append(("quantization", self.quantization))
         if self.activations:
             rows.append(("activations", self.activations))
@@ -107,6 +110,18 @@ class EnginePlan:
             rows.append(("weight bytes", ", ".join(f"{k} {_size(v)}" for k, v in self.weight_bytes.items())
                          + (" per rank" if self.tensor_parallel > 1 else "")))
         return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
+
+
+    def amx(self) -> str:
+        """What the CPU kernels do with AMX (Intel Xeon 4th generation and later), where the CPU has it and bf16
+        math runs through them; "" elsewhere."""
+        if self.device != "cpu" or self.dtype != "bfloat16" or self.attention != "kernel" or \
+                "amx_bf16" not in cpu_flags():
+            return ""
+        if os.environ.get("MII_AMX") == "0":
+            return "AMX off (MII_AMX=0): vdpbf16ps for every row count"
+        return ("AMX tiles (tdpbf16ps) for the linears of prompt chunks and batches: bf16 weights from 5 rows, "
+                "int4/int8 weights from 9 (MII_AMX=0 turns them off)")
 
 
 def _size(n: int) -> str:

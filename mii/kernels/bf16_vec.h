@@ -10,6 +10,11 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
+#if defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define MII_BF16_VEC 1
 
@@ -91,5 +96,27 @@ inline int64_t balanced_share(int64_t units, int64_t threads, int64_t most) {
   return busiest(most / 2) < busiest(most) ? most / 2 : most;
 }
 
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MII_AMX 1  // AMX tiles (Intel Sapphire Rapids and later): 16 x 16 x 32 bf16 multiply-adds an instruction
+// Linux hands out AMX's tile state only on request, once per process; MII_AMX=0 turns AMX off (for A/B
+// measurements and the tests that compare both paths)
+inline bool amx_usable() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  const char* off = std::getenv("MII_AMX");
+  return granted && !(off && off[0] == '0' && off[1] == 0);
+}
+
+// every tile 16 rows of 64 bytes (fp32 sums, bf16 pairs alike); loaded per thread, released by the caller
+inline void amx_configure() {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+#endif
 }  // namespace mii_vec
 #endif

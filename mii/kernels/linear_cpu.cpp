@@ -336,6 +336,63 @@ inline void kpair_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 }
 #endif
 
+#ifdef MII_AMX
+// The k-pair layout is AMX's B-tile layout: 16 consecutive tiles of a 16-row group (32 of x's columns) are one
+// 16 x 64-byte tile for `tdpbf16ps`.
+// y [M, N] fp32 = x (bf16 [M, K], K a multiple of 32) @ w.T with AMX: each task takes 32 columns of w (two 16-row
+// groups, 2 x K x 64 bytes, kept in L2) past every 32 rows of x; tiles 0-3 the 32 x 32 sums, 4-5 x, 6-7 w.
+void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y) {
+  const int64_t groups = N / 16, group_elems = K * 16, Mp = (M + 31) / 32 * 32;
+  std::vector<uint16_t> padded;
+  if (Mp != M) {  // x's last rows padded with zeros to a whole tile; their sums are not stored
+    padded.assign(Mp * K, 0);
+    std::memcpy(padded.data(), x, M * K * sizeof(uint16_t));
+    x = padded.data();
+  }
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t b, int64_t e) {
+    mii_vec::amx_configure();
+    alignas(64) float part[4][16 * 16];
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t g0 = 2 * p;
+      const bool two = g0 + 1 < groups;
+      const uint16_t* w0 = tiles + g0 * group_elems;
+      const uint16_t* w1 = two ? w0 + group_elems : w0;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          _tile_loadd(4, x + m0 * K + k0, K * 2);
+          _tile_loadd(5, x + (m0 + 16) * K + k0, K * 2);
+          _tile_loadd(6, w0 + k0 * 16, 64);
+          _tile_loadd(7, w1 + k0 * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* out = y + m0 * N + g0 * 16;
+        if (m0 + 32 <= M) {
+          _tile_stored(0, out, N * 4);
+          _tile_stored(1, out + 16 * N, N * 4);
+          if (two) {
+            _tile_stored(2, out + 16, N * 4);
+            _tile_stored(3, out + 16 * N + 16, N * 4);
+          }
+          continue;
+        }
+        _tile_stored(0, part[0], 64);
+        _tile_stored(1, part[1], 64);
+        _tile_stored(2, part[2], 64);
+        _tile_stored(3, part[3], 64);
+        for (int64_t r = 0; r < 32 && m0 + r < M; ++r)
+          for (int g = 0; g < (two ? 2 : 1); ++g)
+            std::memcpy(out + r * N + g * 16, part[2 * g + r / 16] + (r % 16) * 16, 64);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // y [M, N] fp32 = x (bf16 [M, K]) @ w.T for a k-pair tiled w
 void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y) {
   const int64_t groups = N / 16, group_elems = K * 16;
@@ -348,6 +405,17 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
   // 12.6 → 12.3 and 13.1 → 12.0 ms; the LM head [49152, 576] 2.1-2.3 → 1.7 ms. A decode step's 120 bf16 linears
   // streamed: 5 rows 11.7 → 10.5 ms, 8 rows 12.5-13.0 → 10.9-11.1, 16 rows 15.8 → 14.9, 64 rows 59.2 → 54.2 (at 256
   // rows even). The same sums in the same order.
+#ifdef MII_AMX
+  // AMX from 5 rows of x, padded to 32 (an AMX Xeon, 2 threads, a decode step's 120 linears streamed: 1-4 rows
+  // 10.4-10.6 ms against vdpbf16ps's 7.9-8.3, 6 rows 10.5 / 11.1, 8 rows 10.7 / 12.6, 32 rows 11.7 / 37.6, 64 rows
+  // 16.1 / 71.2; one [3072, 576] linear at 256 rows 1,452 against 215 GFLOP/s). Other sums than vdpbf16ps's (fp32
+  // order and AMX's own accumulation), the same for a row whichever block of 32 it lands in.
+  constexpr int64_t kAmxRows = 5;
+  if (M >= kAmxRows && K % 32 == 0 && mii_vec::amx_usable()) {
+    kpair_gemm_amx(x, M, K, tiles, N, y);
+    return;
+  }
+#endif
   if (M <= kDecodeRows) {
     at::parallel_for(0, groups, kSuper, [&](int64_t b, int64_t e) {
       const int64_t S = (e - b) / kSuper;

@@ -1019,9 +1019,73 @@ void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 }
 #endif
 
+#if defined(MII_QBF16) && defined(MII_AMX)
+// bf16 x against a task's nt tiles with AMX: an unpacked tile's chunk (16 word pairs of 16 rows) is an AMX B tile
+// as it lies, and x's pairs of a chunk for 16 rows an A tile (X.q, its rows padded with zeros to a multiple of 32).
+// 32 rows of x by 2 tiles a block: tiles 0-3 a group's sums, 4-5 x, 6-7 the weights; each group's sums then
+// times the weight scale, plus offset x sum(x), into running sums in L1 (bf16_block's arithmetic, in its order;
+// a group's sums are AMX's, in other fp32 order than vdpbf16ps's).
+void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
+               int64_t N, int64_t n0) {
+  const int64_t cpg = L.G / 32, Mp = (M + 31) / 32 * 32, xstride = K / 2 * 4;
+  alignas(64) float part[4][256], acc[4][256];  // C tile i: tile i / 2 of the pair, rows 16 (i % 2) ..
+  for (int64_t t0 = 0; t0 < nt; t0 += 2) {
+    const int tn = t0 + 1 < nt ? 2 : 1;
+    const __m512i* w0 = T.data + t0 * T.stride;
+    const __m512i* w1 = w0 + (tn == 2 ? T.stride : 0);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      std::memset(acc, 0, sizeof acc);
+      const int32_t* x0 = &X.q[m0 * (K / 2)];
+      const int32_t* x1 = x0 + 16 * (K / 2);
+      for (int64_t g = 0; g < L.groups; ++g) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t ch = g * cpg; ch < (g + 1) * cpg; ++ch) {
+          _tile_loadd(4, x0 + ch * 16, xstride);
+          _tile_loadd(5, x1 + ch * 16, xstride);
+          _tile_loadd(6, w0 + ch * 16, 64);
+          _tile_loadd(7, w1 + ch * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, part[0], 64);
+        _tile_stored(1, part[1], 64);
+        _tile_stored(2, part[2], 64);
+        _tile_stored(3, part[3], 64);
+        for (int i = 0; i < 2 * tn; ++i) {
+          const __m512 sv = _mm512_loadu_ps(T.sw + (t0 + i / 2) * T.sstride + g * 16);
+          const __m512 mv = _mm512_loadu_ps(T.mw + (t0 + i / 2) * T.sstride + g * 16);
+          const float* gs = &X.gsum[(m0 + 16 * (i % 2)) * X.groups + g];
+          for (int r = 0; r < 16; ++r) {
+            __m512 a = _mm512_fmadd_ps(_mm512_load_ps(part[i] + 16 * r), sv, _mm512_load_ps(acc[i] + 16 * r));
+            if (L.int4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r * X.groups]), a);
+            _mm512_store_ps(acc[i] + 16 * r, a);
+          }
+        }
+      }
+      for (int i = 0; i < 2 * tn; ++i) {
+        const int64_t n = n0 + (t0 + i / 2) * 16;
+        const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+        for (int r = 0; r < 16 && m0 + 16 * (i % 2) + r < M; ++r)
+          _mm512_mask_storeu_ps(y + (m0 + 16 * (i % 2) + r) * N + n, valid, _mm512_load_ps(acc[i] + 16 * r));
+      }
+    }
+  }
+}
+#endif
+
 void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8) {
   const int64_t M = x.size(0), N = L.N(), K = L.K();
-  const XPairs X(x, L.G, act8 && L.int4);
+  XPairs X(x, L.G, act8 && L.int4);
+#if defined(MII_QBF16) && defined(MII_AMX)
+  const bool amx = X.bf16 && mii_vec::amx_usable();
+  if (amx) {  // whole tiles of 32 rows: the rows past M zero
+    const int64_t Mp = (M + 31) / 32 * 32;
+    X.q.resize(Mp * K / 2, 0);
+    X.gsum.resize(Mp * X.groups, 0.f);
+  }
+#endif
   // tasks of kVnniTiles 16-row tiles, taken one at a time from a shared counter: threads that run at different
   // speeds (a shared machine) end together, where even shares of the tiles left one waiting at the barrier
   const int64_t tiles = (N + 15) / 16;
@@ -1038,9 +1102,18 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
     sw.resize(std::max<size_t>(sw.size(), kVnniTiles * L.groups * 16));
     mw.resize(sw.size());
     const Tiles T{data.data(), sw.data(), mw.data(), K / 2, L.groups * 16};
+#if defined(MII_QBF16) && defined(MII_AMX)
+    if (amx) mii_vec::amx_configure();
+#endif
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t t0 = task * per_task, nt = std::min(per_task, tiles - t0);
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
+#if defined(MII_QBF16) && defined(MII_AMX)
+      if (amx) {
+        amx_tiles(X, M, K, L, T, nt, y, N, t0 * 16);
+        continue;
+      }
+#endif
 #ifdef MII_QBF16
       if (X.bf16) {
         bf16_tiles(X, M, K, L, T, nt, y, N, t0 * 16);
@@ -1049,6 +1122,9 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
 #endif
       vnni_tiles(X, M, K, L, T, nt, y, N, t0 * 16);
     }
+#if defined(MII_QBF16) && defined(MII_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 #endif  // MII_QVNNI

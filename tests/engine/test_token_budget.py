@@ -40,3 +40,17 @@ def test_gpu_and_explicit_values(monkeypatch):
                                                                   "memory_config": {"mode": "allocate", "size": 4}}})
     p = plan_memory(_plan(), cfg, 1024, 2048, (576, 1536))
     assert p.max_batch_tokens == 100 and "token budget" not in p.reasons
+
+
+def test_the_plan_says_where_amx_runs(monkeypatch):
+    """The plan's "matrix units" row: present only for bf16 math through the CPU kernels on a CPU with AMX, and
+    what MII_AMX=0 makes of it."""
+    monkeypatch.setattr(plan_mod, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
+    plan = EnginePlan(device="cpu", dtype="bfloat16", num_threads=1, attention="kernel")
+    assert "tdpbf16ps" in plan.amx() and "matrix units" in plan.describe()
+    monkeypatch.setenv("MII_AMX", "0")
+    assert plan.amx().startswith("AMX off")
+    for other in (dict(dtype="float32", attention="kernel"), dict(dtype="bfloat16", attention="torch")):
+        assert EnginePlan(device="cpu", num_threads=1, **other).amx() == ""
+    monkeypatch.setattr(plan_mod, "cpu_flags", lambda: {"avx512_bf16"})
+    assert plan.amx() == "" and "matrix units" not in plan.describe()

@@ -97,18 +97,42 @@ def test_bf16_rows_in_and_out_round_as_torch(tiles):
             assert torch.equal(out, torch.ops.mii.linear_bf16w(x.float(), wt, bias).bfloat16())
 
 
-def test_a_kpair_row_does_not_depend_on_its_block():
+def test_a_kpair_row_does_not_depend_on_its_block(monkeypatch):
     """k-pair tiles take x's rows in register blocks of 4 and 3 (2 and 1 only below 6 rows), streamed up to 64
     rows and from L2 beyond (there in slices of 64 or, where that evens out the threads' shares, 32 weight rows:
-    [576, K] with 2 threads): each row's sums are the same, in the same order, whichever block and path it takes."""
+    [576, K] with 2 threads); on an AMX CPU, from 5 rows, in tiles of 32 rows. Each row's sums are the same, in the
+    same order, whichever block it takes within a path: 1-4 rows against one 4-row call, 5-70 against a 70-row call
+    (AMX), and with AMX off (MII_AMX=0) 5-64 against a 64-row call and 65-70 against the 70-row one."""
     g = torch.Generator().manual_seed(4)
     wb = torch.randn(576, 576, generator=g).bfloat16()
     w = tile_bf16_kpairs(wb)
     x = torch.randn(70, 576, generator=g).bfloat16()
-    full = torch.ops.mii.linear_bf16w(x, w, None)
-    torch.testing.assert_close(full.double(), _reference(x, wb, None), rtol=2 ** -8, atol=1e-3 * 576 ** 0.5)
-    for m in (5, 9, 10, 11, 13, 33, 65):
-        assert torch.equal(torch.ops.mii.linear_bf16w(x[:m], w, None), full[:m]), m
+    for amx in ("1", "0"):
+        monkeypatch.setenv("MII_AMX", amx)
+        full = torch.ops.mii.linear_bf16w(x, w, None)
+        torch.testing.assert_close(full.double(), _reference(x, wb, None), rtol=2 ** -8, atol=1e-3 * 576 ** 0.5)
+        four = torch.ops.mii.linear_bf16w(x[:4], w, None)
+        assert all(torch.equal(torch.ops.mii.linear_bf16w(x[:m], w, None), four[:m]) for m in (1, 2, 3))
+        sixty_four = torch.ops.mii.linear_bf16w(x[:64], w, None)
+        for m in (5, 9, 10, 11, 13, 33, 64, 65):
+            whole = sixty_four if amx == "0" and m <= 64 else full
+            assert torch.equal(torch.ops.mii.linear_bf16w(x[:m], w, None), whole[:m]), (amx, m)
+
+
+def test_amx_and_vdpbf16ps_agree(monkeypatch):
+    """Where the CPU has AMX, rows of x from 5 on take AMX tiles (MII_AMX=0: the vdpbf16ps kernel): other fp32 sums,
+    the same products; both within bf16's rounding of the float64 reference, and of each other."""
+    g = torch.Generator().manual_seed(6)
+    for n, k, m in ((96, 64, 7), (576, 1536, 37), (3072, 576, 130)):
+        wb = torch.randn(n, k, generator=g).bfloat16()
+        w, x = tile_bf16_kpairs(wb), torch.randn(m, k, generator=g).bfloat16().float()
+        out = {}
+        for amx in ("1", "0"):
+            monkeypatch.setenv("MII_AMX", amx)
+            out[amx] = torch.ops.mii.linear_bf16w(x, w, None)
+            torch.testing.assert_close(out[amx].double(), _reference(x.bfloat16(), wb, None), rtol=1e-5,
+                                       atol=1e-5 * k ** 0.5)
+        torch.testing.assert_close(out["1"], out["0"], rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
 @pytest.mark.parametrize("tile", [tile_bf16w, tile_bf16_kpairs])
@@ -146,7 +170,7 @@ def test_kpair_tiles_match_float64(m, n, k):
     """bf16 x against k-pair tiles (`vdpbf16ps` where the CPU has it, else the portable loop): within fp32
     summation error of the exact product for every row count (the rows of x four at a time, and the tails) and
     for widths of 1-5 groups of 16 rows (four a step, and the rest), with and without a bias; a row's result
-    does not depend on the rows beside it."""
+    does not depend on the rows beside it within a path."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
@@ -157,8 +181,9 @@ def test_kpair_tiles_match_float64(m, n, k):
         torch.testing.assert_close(out.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
         y = torch.ops.mii.linear_bf16w(x, t, bias)
         assert y.dtype == torch.bfloat16 and torch.equal(y, out.to(torch.bfloat16))
-    last = torch.ops.mii.linear_bf16w(x[-1:].float(), t, None)
-    assert torch.equal(last, torch.ops.mii.linear_bf16w(x.float(), t, None)[-1:])
+    # (1-4 rows and 5+ rows may take different paths: vdpbf16ps and AMX tiles)
+    tail = torch.ops.mii.linear_bf16w(x[-(1 if m < 5 else 5):].float(), t, None)
+    assert torch.equal(tail[-1:], torch.ops.mii.linear_bf16w(x.float(), t, None)[-1:])
 
 
 def _bf16_values(model):

@@ -144,6 +144,24 @@ def test_a_row_does_not_depend_on_its_block(scheme, group, dtype):
             torch.testing.assert_close(part, full[:m], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,k,scheme,group", [(100, 576, "int4", 32), (48, 1536, "int8", 32), (98, 384, "int4", 64)])
+def test_amx_and_vdpbf16ps_tiles_agree(n, k, scheme, group, monkeypatch):
+    """Where the CPU has AMX, bf16 rows from 9 on multiply the unpacked tiles with AMX (MII_AMX=0: `vdpbf16ps`): the
+    same exact products and per-group scaling, other fp32 sums; both within bf16-level rounding of the exact
+    product, and of each other. A row's result does not depend on the rows beside it within the path."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(n + k)
+    w = _weight(n, k, scheme, group, g)
+    x = torch.randn(70, k, generator=g).bfloat16()
+    out = {}
+    for amx in ("1", "0"):
+        monkeypatch.setenv("MII_AMX", amx)
+        out[amx] = quant_linear(x, w, None)
+        _check(out[amx], x, w, None, 2 ** -7)
+        assert torch.equal(quant_linear(x[:33], w, None), out[amx][:33]), amx
+    torch.testing.assert_close(out["1"], out["0"], rtol=2 ** -7, atol=1e-3)
+
+
 def test_bf16_rows_in_and_out_round_as_torch():
     """Decode rows of bf16 x (up to 8: the streaming kernel on every CPU): widened and rounded (bias added first)
     by the kernel itself, not by Tensor.to: the same bits as the fp32 call's result rounded by torch. A single row
