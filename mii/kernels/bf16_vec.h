@@ -117,6 +117,19 @@ inline void amx_configure() {
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
+
+// tiles 0-3 (a 32 x 32 block of fp32 sums: 0 and 1 the rows of a0 and a1 against b0, 2 and 3 against b1) += two A
+// tiles of 16 rows `astride` bytes apart times two B tiles of 16 contiguous 64-byte rows
+inline void amx_dots_2x2(const void* a0, const void* a1, int64_t astride, const void* b0, const void* b1) {
+  _tile_loadd(4, a0, astride);
+  _tile_loadd(5, a1, astride);
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(7, b1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 5, 7);
+}
 #endif
 }  // namespace mii_vec
 #endif

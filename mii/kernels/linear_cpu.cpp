@@ -359,16 +359,8 @@ void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
       const uint16_t* w1 = two ? w0 + group_elems : w0;
       for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t k0 = 0; k0 < K; k0 += 32) {
-          _tile_loadd(4, x + m0 * K + k0, K * 2);
-          _tile_loadd(5, x + (m0 + 16) * K + k0, K * 2);
-          _tile_loadd(6, w0 + k0 * 16, 64);
-          _tile_loadd(7, w1 + k0 * 16, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        for (int64_t k0 = 0; k0 < K; k0 += 32)
+          mii_vec::amx_dots_2x2(x + m0 * K + k0, x + (m0 + 16) * K + k0, K * 2, w0 + k0 * 16, w1 + k0 * 16);
         float* out = y + m0 * N + g0 * 16;
         if (m0 + 32 <= M) {
           _tile_stored(0, out, N * 4);

@@ -1039,16 +1039,8 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
       const int32_t* x1 = x0 + 16 * (K / 2);
       for (int64_t g = 0; g < L.groups; ++g) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t ch = g * cpg; ch < (g + 1) * cpg; ++ch) {
-          _tile_loadd(4, x0 + ch * 16, xstride);
-          _tile_loadd(5, x1 + ch * 16, xstride);
-          _tile_loadd(6, w0 + ch * 16, 64);
-          _tile_loadd(7, w1 + ch * 16, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        for (int64_t ch = g * cpg; ch < (g + 1) * cpg; ++ch)
+          mii_vec::amx_dots_2x2(x0 + ch * 16, x1 + ch * 16, xstride, w0 + ch * 16, w1 + ch * 16);
         _tile_stored(0, part[0], 64);
         _tile_stored(1, part[1], 64);
         _tile_stored(2, part[2], 64);
