@@ -47,3 +47,9 @@ def kernels_disabled() -> bool:
     """MII_KERNELS=0 keeps the torch reference backends (attention: gathered blocks + SDPA), for comparison or
     where our kernels cannot run."""
     return os.environ.get("MII_KERNELS", "1") == "0"
+
+
+def amx_disabled() -> bool:
+    """MII_AMX=0 keeps the CPU kernels off AMX tiles (the AVX-512 path for every row count); read per call by the
+    kernels themselves (`mii_vec::amx_usable`), and here for the plan."""
+    return os.environ.get("MII_AMX", "1") == "0"

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mii.config import ModelConfig
-from mii.envs import cpu_flags, kernels_disabled, ranks_on_this_host
+from mii.envs import amx_disabled, cpu_flags, kernels_disabled, ranks_on_this_host
 from mii.errors import KVCacheError, ValidationError
 
 log = logging.getLogger("mii")
@@ -111,14 +111,13 @@ class EnginePlan:
                          + (" per rank" if self.tensor_parallel > 1 else "")))
         return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
 
-
     def amx(self) -> str:
         """What the CPU kernels do with AMX (Intel Xeon 4th generation and later), where the CPU has it and bf16
         math runs through them; "" elsewhere."""
         if self.device != "cpu" or self.dtype != "bfloat16" or self.attention != "kernel" or \
                 "amx_bf16" not in cpu_flags():
             return ""
-        if os.environ.get("MII_AMX") == "0":
+        if amx_disabled():
             return "AMX off (MII_AMX=0): vdpbf16ps for every row count"
         return ("AMX tiles (tdpbf16ps) for the linears of prompt chunks and batches: bf16 weights from 5 rows, "
                 "int4/int8 weights from 9 (MII_AMX=0 turns them off)")

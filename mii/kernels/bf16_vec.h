@@ -96,7 +96,6 @@ inline int64_t balanced_share(int64_t units, int64_t threads, int64_t most) {
   return busiest(most / 2) < busiest(most) ? most / 2 : most;
 }
 
-
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define MII_AMX 1  // AMX tiles (Intel Sapphire Rapids and later): 16 x 16 x 32 bf16 multiply-adds an instruction
 // Linux hands out AMX's tile state only on request, once per process; MII_AMX=0 turns AMX off (for A/B
