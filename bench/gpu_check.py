@@ -36,6 +36,7 @@ def save() -> None:
 
 
 DEADLINE = float("inf")
+ONLY: list[str] = []
 
 
 def left() -> float:
@@ -46,6 +47,10 @@ def part(name: str, fn, *args, need: float = 20, **kw):
     """Run one part; record its result or its failure. Skipped when less than `need` seconds are left."""
     t = time.perf_counter()
     print(f"\n=== {name} ({left():.0f} s left)", flush=True)
+    if ONLY and not any(o in name for o in ONLY):
+        RESULTS["parts"][name] = {"ok": False, "error": f"not selected by --only {','.join(ONLY)}"}
+        save()
+        return RESULTS["parts"][name]
     if left() < need:
         RESULTS["parts"][name] = {"ok": False, "error": f"skipped: {left():.0f} s left, needs {need:.0f}"}
         save()
@@ -345,8 +350,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--stage", default="all", choices=["all", "1", "2"])
     ap.add_argument("--seconds", type=float, default=420, help="time for this run; parts that do not fit are skipped")
+    ap.add_argument("--only", default="", help="comma-separated parts to run (substrings of their names); all if empty")
     args = ap.parse_args()
-    global DEADLINE
+    global DEADLINE, ONLY
+    ONLY = [o for o in args.only.split(",") if o]
     DEADLINE = time.monotonic() + args.seconds
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)

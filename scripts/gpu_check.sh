@@ -2,7 +2,7 @@
 # The GPU check: tests on cuda, a served request through the openai client, benchmarks with absolute numbers.
 # Writes OUTDIR/gpu_check.json (and junit XML per test suite, and a log) and prints a summary table.
 #
-#   scripts/gpu_check.sh OUTDIR [all|1|2] [SECONDS]
+#   scripts/gpu_check.sh OUTDIR [all|1|2] [SECONDS]     (MII_GPU_ONLY=pipeline,w64 runs only the parts so named)
 #
 # On a machine without network access (the lent H200), carry what it lacks, prepared here beforehand:
 #   scripts/gpu_wheels.sh       wheels into .whl/ (installed to /tmp/mii-gpu/site, mii itself runs from the tree)
@@ -51,5 +51,5 @@ PY=python3
   export PYTHONPATH="$W/site:$W/pkgs:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   $PY -c "import torch, triton, mii; print('== torch', torch.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name(0)); print('== default model', mii.default_model())"
   # 3. the check itself; every part records its result in OUT/gpu_check.json, failures included
-  $PY -m bench.gpu_check --out "$OUT" --stage "$STAGE" --seconds "$SECONDS_FOR_RUN"
+  $PY -m bench.gpu_check --out "$OUT" --stage "$STAGE" --seconds "$SECONDS_FOR_RUN" ${MII_GPU_ONLY:+--only "$MII_GPU_ONLY"}
 } 2>&1 | tee -a "$LOG"
