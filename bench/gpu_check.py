@@ -48,11 +48,11 @@ def part(name: str, fn, *args, need: float = 20, **kw):
     t = time.perf_counter()
     print(f"\n=== {name} ({left():.0f} s left)", flush=True)
     if ONLY and not any(o in name for o in ONLY):
-        RESULTS["parts"][name] = {"ok": False, "error": f"not selected by --only {','.join(ONLY)}"}
+        RESULTS["parts"][name] = {"ok": False, "skipped": True, "error": f"not selected by --only {','.join(ONLY)}"}
         save()
         return RESULTS["parts"][name]
     if left() < need:
-        RESULTS["parts"][name] = {"ok": False, "error": f"skipped: {left():.0f} s left, needs {need:.0f}"}
+        RESULTS["parts"][name] = {"ok": False, "skipped": True, "error": f"{left():.0f} s left, needs {need:.0f}"}
         save()
         return RESULTS["parts"][name]
     try:
@@ -317,7 +317,7 @@ def summary() -> str:
     rows = []
     for name, r in p.items():
         if not r.get("ok"):
-            rows.append((name, "FAILED", r.get("error", "")[:90]))
+            rows.append((name, "skipped" if r.get("skipped") else "FAILED", r.get("error", "")[:90]))
             continue
         if "passed" in r or "failed" in r:
             v = f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, {r.get('skipped', 0)} skipped"
