@@ -306,6 +306,93 @@ inline void values_rows(float* acc, const float* p, int64_t pstride, const uint1
 }
 #endif
 
+#ifdef MII_AMX
+// A prompt tile with AMX (Intel Xeons with amx_bf16): the scores and the weighted values as tile products, 16 rows
+// (query tokens x heads, their queries copied once per item into qa, rows past the tile's zero) at a time.
+// Scores: qa's 16 rows x 32 values (an A tile) times the keys as pairs (keys_as_pairs: 16 of its rows are a B tile
+// as they lie), into 16 x 16 keys' fp32 sums, stored into the scores' rows. The same exact products as
+// scores_rows_bf16, summed in AMX's order.
+template <int D>
+inline void scores_amx(const uint16_t* qa, int64_t rtiles, const __m512i* kt, int64_t groups, float* sc, int64_t B) {
+  constexpr int P = D / 2;
+  for (int64_t rt = 0; rt < rtiles; ++rt) {
+    for (int64_t g = 0; g < groups; g += 2) {
+      const bool two = g + 1 < groups;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int c = 0; c < D / 32; ++c) {
+        _tile_loadd(4, qa + rt * 16 * D + 32 * c, D * 2);
+        _tile_loadd(6, kt + g * P + 16 * c, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, kt + (g + 1) * P + 16 * c, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+      }
+      _tile_stored(0, sc + rt * 16 * B + 16 * g, B * 4);
+      if (two) _tile_stored(1, sc + rt * 16 * B + 16 * (g + 1), B * 4);
+    }
+  }
+}
+
+// Weighted values: acc (rows' running sums, permuted as above) += p (the rows' weights, fp32) times the block's
+// values, 32 keys at a time. The weights as two bf16 A tiles, hi = p rounded and lo = p - hi rounded (p to 2^-17,
+// where bf16 alone would round each weight at 2^-9), and the values as B tiles of key pairs built so that C tile
+// 2h's column u is value 32h + 2u and tile 2h + 1's value 32h + 2u + 1: the accumulators' own permutation, so the
+// running sums are loaded into tiles and stored back as they lie. Keys past nk (and their weights) are zero.
+template <int D>
+inline void values_amx(float* acc, const float* p, int64_t pstride, int64_t rows, const uint16_t* v, int64_t nk,
+                       uint16_t* pa, __m512i* vt) {
+  const int64_t rtiles = (rows + 15) / 16;
+  for (int64_t r = rows; r < rtiles * 16; ++r) {
+    std::memset(pa + r * 32, 0, 64);
+    std::memset(pa + (rtiles * 16 + r) * 32, 0, 64);
+  }
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF), hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t j0 = 0; j0 < nk; j0 += 32) {
+    const int64_t kc = std::min<int64_t>(32, nk - j0);
+    for (int i = 0; i < 16; ++i) {  // key pair i: keys j0 + 2i and j0 + 2i + 1
+      const bool has_a = 2 * i < kc, has_b = 2 * i + 1 < kc;
+      for (int h = 0; h < D / 32; ++h) {
+        const __m512i a = has_a ? _mm512_loadu_si512(v + (j0 + 2 * i) * D + 32 * h) : _mm512_setzero_si512();
+        const __m512i b = has_b ? _mm512_loadu_si512(v + (j0 + 2 * i + 1) * D + 32 * h) : _mm512_setzero_si512();
+        vt[(2 * h) * 16 + i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
+        vt[(2 * h + 1) * 16 + i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
+      }
+    }
+    const __mmask16 m0 = kc >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << kc) - 1);
+    const __mmask16 m1 = kc >= 32 ? __mmask16(0xFFFF) : kc <= 16 ? __mmask16(0) : __mmask16((1u << (kc - 16)) - 1);
+    for (int64_t r = 0; r < rows; ++r) {  // the rows' weights as hi and lo bf16 (rows past `rows` stay zero)
+      for (int half = 0; half < 2; ++half) {
+        const __m512 w = _mm512_maskz_loadu_ps(half ? m1 : m0, p + r * pstride + j0 + 16 * half);
+        const __m256i hi = mii_vec::bf16_round(w);
+        const __m512 rest = _mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + r * 32 + 16 * half), hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + (rtiles * 16 + r) * 32 + 16 * half),
+                            mii_vec::bf16_round(rest));
+      }
+    }
+    for (int64_t rt = 0; rt < rtiles; ++rt) {
+      _tile_loadd(4, pa + rt * 16 * 32, 64);
+      _tile_loadd(5, pa + (rtiles + rt) * 16 * 32, 64);
+      for (int c = 0; c < D / 16; c += 2) {
+        float* a0 = acc + rt * 16 * D + 16 * c;
+        _tile_loadd(0, a0, D * 4);
+        _tile_loadd(1, a0 + 16, D * 4);
+        _tile_loadd(6, vt + c * 16, 64);
+        _tile_loadd(7, vt + (c + 1) * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_stored(0, a0, D * 4);
+        _tile_stored(1, a0 + 16, D * 4);
+      }
+    }
+  }
+}
+#endif
+
 // a row's output from its accumulators (permuted as above) times inv: where attend() reads the blocks in place,
 // 32 values at a time (the even and the odd ones rounded, then interleaved as the 16-bit halves of 32-bit lanes:
 // a prompt chunk's scalar loop through acc_value was 7% of its attention); otherwise value by value
@@ -374,6 +461,9 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   const int64_t group = n_heads / n_kv;
   const bool in_place = in_place_bf16_type<T, C>() && (d == 64 || d == 128);  // scores_bf16 below, not qf
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
+#ifdef MII_AMX
+  const bool amx = in_place && block_size % 16 == 0 && mii_vec::amx_usable();  // prompt tiles: scores_amx, values_amx
+#endif
   const int64_t B = block_size, part_blocks = std::max<int64_t>(1, kSplitKeys / B);
   // work items: (sequence, kv head, query tile, part of the keys); parts only for decode rows
   std::vector<int64_t> item_start(num_seqs + 1, 0), parts(num_seqs, 1), partial_start(num_seqs + 1, 0);
@@ -419,7 +509,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     return (static_cast<int64_t>(tables[w.s * table_width + w.first_block + i]) * n_kv + w.kvh) * head_block;
   };
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
-    const int64_t max_rows = std::min<int64_t>(kMaxRows, tile * group);
+    // (rows rounded up to whole AMX tiles of 16)
+    const int64_t max_rows = (std::min<int64_t>(kMaxRows, tile * group) + 15) / 16 * 16;
     // scaled queries and accumulators [rows, d], one block of keys/values as float [B, d], scores [rows, B]
     std::unique_ptr<float[]> buf(new float[2 * max_rows * d + 2 * B * d + max_rows * B + 2 * max_rows]);
     float *qf = buf.get(), *acc = qf + max_rows * d, *kb = acc + max_rows * d, *vb = kb + B * d,
@@ -429,6 +520,13 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
 #ifdef MII_ATTN_BF16
     // a prompt tile's block of keys as pairs (keys_as_pairs): an even number of 16-key groups, d / 2 pairs each
     std::vector<__m512i> kt(in_place ? (B + 31) / 32 * 2 * (d / 2) : 0);
+#endif
+#ifdef MII_AMX
+    // an AMX prompt tile's queries [rows, d] and weights (hi and lo bf16 [rows, 32] each), one block's values as
+    // B tiles of key pairs ([d / 16][16] vectors)
+    std::vector<uint16_t> qa(amx ? max_rows * d : 0), pa(amx ? 2 * max_rows * 32 : 0);
+    std::vector<__m512i> vt(amx ? d : 0);
+    if (amx) mii_vec::amx_configure();
 #endif
     // a thread claims its next item as it starts one, so that the last block of one item prefetches the first of
     // the next (a decode row's part is a few blocks: its first one would otherwise wait for memory unhidden)
@@ -471,6 +569,15 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         lo = std::min(lo, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
         hi = std::max(hi, pos + 1);
       }
+#ifdef MII_AMX
+      const bool tiles_amx = amx && nq > 1;
+      if (tiles_amx) {  // the rows' queries, contiguous for the A tiles; the rows up to a whole tile zero
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(&qa[r * d], qrow[r], d * 2);
+        std::fill(qa.begin() + rows * d, qa.begin() + (rows + 15) / 16 * 16 * d, uint16_t(0));
+      }
+#else
+      constexpr bool tiles_amx = false;
+#endif
       const int32_t* table = tables + s * table_width;
       const int64_t first_block = lo / B + part * part_blocks;
       if (np > 1) hi = std::min(hi, (first_block + part_blocks) * B);  // this part's keys
@@ -508,6 +615,18 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             if (tiled) {
               const int64_t groups = (nk + 15) / 16;
               const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
+#ifdef MII_AMX
+              if (tiles_amx) {
+                const int64_t rtiles = (rows + 15) / 16;
+                if (d == 64) {
+                  keys_as_pairs<64>(kr, nk, kt.data());
+                  scores_amx<64>(qa.data(), rtiles, kt.data(), groups, sc, B);
+                } else {
+                  keys_as_pairs<128>(kr, nk, kt.data());
+                  scores_amx<128>(qa.data(), rtiles, kt.data(), groups, sc, B);
+                }
+              } else
+#endif
               if (d == 64) {
                 keys_as_pairs<64>(kr, nk, kt.data());
                 scores_tile_bf16<64>(qs, rows, kt.data(), groups, fscale, sc, B);
@@ -527,6 +646,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               if (tiled) {
                 std::fill(sr, sr + first, 0.f);
                 std::fill(sr + last, sr + nk, 0.f);
+                if (tiles_amx)  // (scores_rows_bf16 scales its sums as it stores them)
+                  for (int64_t j = first; j < last; ++j) sr[j] *= fscale;
               } else {
                 std::fill(sr, sr + nk, 0.f);
                 const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
@@ -536,14 +657,22 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
               lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
             }
+#ifdef MII_AMX
+            if (tiles_amx && hi_j > lo_j) {
+              if (d == 64) values_amx<64>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
+              else values_amx<128>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
+            } else
+#endif
             if (hi_j > lo_j) {
               const auto* pk = reinterpret_cast<const uint16_t*>(later_k);
               const auto* pv = reinterpret_cast<const uint16_t*>(later_v);
               if (d == 64) values_rows<64>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
               else values_rows<128>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
             }
-            if (later_k && (hi_j <= lo_j || hi_j - lo_j < B)) {  // the lines the values pass did not prefetch
-              const int64_t a = hi_j > lo_j ? lo_j : 0, b = hi_j > lo_j ? hi_j : 0;
+            // the lines the values pass did not prefetch (values_amx: none)
+            if (later_k && (tiles_amx || hi_j <= lo_j || hi_j - lo_j < B)) {
+              const bool some = !tiles_amx && hi_j > lo_j;
+              const int64_t a = some ? lo_j : 0, b = some ? hi_j : 0;
               for (int64_t e = 0; e < B * d; e += 64 / sizeof(C)) {
                 if (e / d >= a && e / d < b) continue;
                 __builtin_prefetch(later_k + e, 0, 2);
@@ -611,6 +740,9 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         write_row(acc, inv, out + tok * o_stride + (kvh * group + r) * d, d, in_place);
       }
     }
+#ifdef MII_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 

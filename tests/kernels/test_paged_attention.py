@@ -93,11 +93,14 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype, tol):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("specs", [MIXED, LONG], ids=["mixed", "long"])
-def test_bf16_rows_in_place_round_correctly(d, window, specs):
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_bf16_rows_in_place_round_correctly(d, window, specs, amx, monkeypatch):
     """bf16 queries on a bf16 cache, the rows the kernel computes in place (decode rows and chunks under 16 tokens;
-    on CPUs with AVX512-BF16 every chunk, its keys multiplied by vdpbf16ps, its values widened in registers):
-    within half a bf16 step of the float64 attention (the output's own rounding), where the shape tolerance above
-    allows 2e-2. (Elsewhere the longer chunks go through ATen's SDPA.)"""
+    on CPUs with AVX512-BF16 every chunk, its keys multiplied by vdpbf16ps, its values widened in registers; on
+    CPUs with AMX the chunks' tiles of 16 rows by tile products, MII_AMX=0 turning that off): within half a bf16
+    step of the float64 attention (the output's own rounding), where the shape tolerance above allows 2e-2.
+    (Elsewhere the longer chunks go through ATen's SDPA.)"""
+    monkeypatch.setenv("MII_AMX", amx)
     out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
         torch.bfloat16, 2e-2, 32, window, (9, 3), d, specs)
     tables = [row[: -(-(p + n) // 32)].tolist() for row, (p, n) in zip(block_tables, specs)]
@@ -156,3 +159,24 @@ def test_traceable_by_torch_compile():
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = torch.ops.mii.paged_attention(q, k, v, kc, vc, *args, 2, 0.3, 0)
     assert out.shape == (3, 32)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (12, 12)])
+def test_amx_prompt_tiles_agree_with_vdpbf16ps(block_size, heads, monkeypatch):
+    """Where the CPU has AMX, a bf16 prompt chunk's tiles (rows = query tokens x the heads of a kv head, 16 at a
+    time, partial tiles padded) multiply by tile products: the scores' exact products summed in AMX's order, the
+    weights as hi + lo bf16. Both paths agree closely, and within a path a row's bits do not depend on the rows
+    beside it (the chunk cut after a different token)."""
+    specs = [(0, 45), (40, 1), (13, 22), (64, 5)]
+    out = {}
+    for amx in ("1", "0"):
+        monkeypatch.setenv("MII_AMX", amx)
+        out[amx], args = _check(torch.bfloat16, 2e-2, block_size, 0, heads, 64, specs)
+        q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables = args
+        # the first sequence's first 20 tokens alone (their keys are already in the cache): the same bits
+        alone = torch.ops.mii.paged_attention(q[:20], k[:20], v[:20], k_cache, v_cache, slots[:20],
+                                              torch.tensor([0, 20], dtype=torch.int32),
+                                              torch.tensor([20], dtype=torch.int32), block_tables[:1], 20, 64 ** -0.5, 0)
+        assert torch.equal(alone, out[amx][:20]), amx
+    torch.testing.assert_close(out["1"], out["0"], rtol=2 ** -7, atol=2 ** -9)
