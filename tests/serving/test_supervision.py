@@ -74,7 +74,7 @@ def test_fault_under_load(pressured, url, tiny_model):
                                                                ignore_eos=True))}
     victim = pressured.record["replicas"][0]
     outcomes, failures_after_kill = [], []
-    killed_at, seen = [], []  # seen, per look: the gateway's tokens of the victim's unfinished requests (twice),
+    killed_at, seen = [], []  # seen, per look at a frozen victim: the gateway's tokens of its unfinished requests,
     # requests done
 
     async def one(oai, stub, i, j):
@@ -124,22 +124,21 @@ def test_fault_under_load(pressured, url, tiny_model):
         while len(outcomes) < 24:  # a quarter of the load done: both replicas are busy
             await asyncio.sleep(0.01)
         # A request the victim has not answered yet is retried on the other replica, not failed; one it has answered
-        # must fail. Looking first and killing after races the victim, which may finish that request in between (CI
-        # saw '0 ended with 503' several times). So freeze the victim (SIGSTOP), let what it already sent reach the
-        # gateway, and kill it only if the gateway then holds tokens of the victim's unfinished requests (the same
-        # count twice, so nothing was still on its way); otherwise let it go on and look again.
+        # must fail. Looking and then killing races the victim, which may finish that request in between (CI saw
+        # '0 ended with 503' several times). So once a look finds tokens of the victim's unfinished requests at the
+        # gateway, freeze the victim (SIGSTOP) and look again: what the second look finds has answered and cannot
+        # finish any more (/metrics then waits for the frozen victim's EngineStats to time out, seconds in which
+        # whatever it had sent reaches the gateway); kill it then. Otherwise let it go on and look again.
         async with httpx.AsyncClient() as http:
-            while len(outcomes) < 96 - 16:
-                os.kill(victim["pid"], signal.SIGSTOP)
-                await asyncio.sleep(0.1)
-                first = await answered_tokens(http) - idle_answered
-                await asyncio.sleep(0.1)
-                answered = await answered_tokens(http) - idle_answered
-                seen.append((first, answered, len(outcomes)))
-                if answered == first >= 1:
-                    break
-                os.kill(victim["pid"], signal.SIGCONT)
-                await asyncio.sleep(0.05)
+            while len(outcomes) < 96 - 8:
+                if await answered_tokens(http) - idle_answered >= 1:
+                    os.kill(victim["pid"], signal.SIGSTOP)
+                    answered = await answered_tokens(http) - idle_answered
+                    seen.append((answered, len(outcomes)))
+                    if answered >= 1:
+                        break
+                    os.kill(victim["pid"], signal.SIGCONT)
+                await asyncio.sleep(0.005)
         killed_at.append(time.monotonic())
         os.kill(victim["pid"], signal.SIGKILL)  # (frozen or not)
         async with httpx.AsyncClient() as http:
@@ -162,7 +161,7 @@ def test_fault_under_load(pressured, url, tiny_model):
 
     health = asyncio.run(main())
     print(f"\nfault under load: {outcomes.count('done')} complete, {outcomes.count('unavailable')} ended with 503 "
-          f"(at most {max(failures_after_kill, default=0):.2f} s after the kill)")
+          f"(at most {max(failures_after_kill, default=0):.2f} s after the kill; looks: {seen})")
     assert len(outcomes) == 96 and outcomes.count("done") >= 48
     # the victim's requests that had begun answering
     assert outcomes.count("unavailable") >= 1, f"{len(seen)} looks: {seen}"
