@@ -119,8 +119,8 @@ class EnginePlan:
             return ""
         if amx_disabled():
             return "AMX off (MII_AMX=0): vdpbf16ps for every row count"
-        return ("AMX tiles (tdpbf16ps) for the linears of prompt chunks and batches: bf16 weights from 5 rows, "
-                "int4/int8 weights from 9 (MII_AMX=0 turns them off)")
+        return ("AMX tiles (tdpbf16ps) for the linears of prompt chunks and batches (bf16 weights from 5 rows, "
+                "int4/int8 weights from 9) and for prompt chunks' attention (MII_AMX=0 turns them off)")
 
 
 def _size(n: int) -> str:
