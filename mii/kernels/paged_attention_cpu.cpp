@@ -53,8 +53,9 @@ constexpr int kPromptChunk = 16;
 // a decode row's keys are split into parts of this many (whole blocks), each part its own work item, combined by
 // the last one to finish (flash-decoding): one sequence's kv heads alone are too few items for the threads (3 for
 // SmolLM2), and a part's keys are read by the thread that computes them. The parts depend on the sequence alone,
-// not on the batch around it, so a row's result does not either.
-constexpr int64_t kSplitKeys = 128;
+// not on the batch around it, so a row's result does not either. Each part ends with a locked hand-off (the
+// counter below) and its rows' combination: at 128 keys a part, those took ~20% of a 64-row decode step's attention.
+constexpr int64_t kSplitKeys = 256;
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -165,7 +166,7 @@ inline int64_t acc_value(int64_t pos) { return (pos & ~int64_t(31)) + 2 * (pos &
 // generic loop's.
 
 // 16 vectors -> one: lane u = the sum of a[u]'s 16 lanes (a 16 x 16 transpose, adding as it goes)
-inline __m512 sum16(const __m512* a) {
+__attribute__((always_inline)) inline __m512 sum16(const __m512* a) {
   __m512 b[8], c[4];
   for (int i = 0; i < 8; ++i)
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -261,12 +262,15 @@ inline void scores_tile_bf16(const uint16_t* const* q, int64_t rows, const __m51
 // row does not see a key), each value widened once for the R rows
 template <int D, int R>
 inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t lo, int64_t hi,
-                        const uint16_t* pk = nullptr, const uint16_t* pv = nullptr) {
+                        const uint16_t* pk = nullptr, const uint16_t* pv = nullptr, const float* rescale = nullptr) {
   constexpr int C = D / 16;
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+    for (int c = 0; c < C; ++c) {
+      a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+      if (rescale) a[r][c] = _mm512_mul_ps(a[r][c], _mm512_set1_ps(rescale[r]));  // (softmax_step's ar[e] *= c)
+    }
   for (int64_t j = lo; j < hi; ++j) {
     if (pk) {  // key j's rows of a later block: spread over the loop, so that they never fill the miss queues
       for (int e = 0; e < D; e += 32) {
@@ -291,18 +295,94 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint1
 
 // every row's values, up to kRowsV rows at a time (their accumulators in registers); pk, pv: a later block's keys
 // and values, prefetched by the first rows' pass
+// (rescale: each row's accumulators times rescale[r] first, or nullptr)
 template <int D>
 inline void values_rows(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t rows, int64_t lo,
-                        int64_t hi, const uint16_t* pk, const uint16_t* pv) {
+                        int64_t hi, const uint16_t* pk, const uint16_t* pv, const float* rescale = nullptr) {
   constexpr int kRowsV = D == 64 ? 4 : 2;
   int64_t r = 0;
+  const auto c = [&](int64_t r) { return rescale ? rescale + r : nullptr; };
   for (; r + kRowsV <= rows; r += kRowsV, pk = pv = nullptr)
-    values_bf16<D, kRowsV>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
+    values_bf16<D, kRowsV>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
   if constexpr (kRowsV == 4) {
-    if (rows - r == 3) return values_bf16<D, 3>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
-    if (rows - r == 2) return values_bf16<D, 2>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
+    if (rows - r == 3) return values_bf16<D, 3>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
+    if (rows - r == 2) return values_bf16<D, 2>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
   }
-  if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv);
+  if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
+}
+
+// e^x for x <= 0 (a softmax's s - max), 16 lanes: x = n ln2 + r (ln2 in two parts, Cody and Waite), e^r by Cephes's
+// polynomial on |r| <= ln2 / 2, times 2^n by vscalefps: within 1-2 ulp of expf. Inlined, so that no call spills the
+// loop's registers (the compiler's vectorized std::exp calls libmvec's 8-lane expf, and its tails the scalar one).
+__attribute__((always_inline)) inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32 already; keeps n and r finite
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// q . k for n <= 16 keys of D bf16 values each (k: the first one's row), lane u = key u's sum (0 from n on)
+template <int D, bool Full>
+__attribute__((always_inline)) inline __m512 dots16(const __m512bh* qv, const uint16_t* k, int n) {
+  __m512 a[16];
+  for (int u = 0; u < 16; ++u) {
+    a[u] = _mm512_setzero_ps();
+    if (Full || u < n)
+      for (int c = 0; c < D / 32; ++c)
+        a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_loadu_si512(k + u * D + 32 * c), qv[c]);
+  }
+  return sum16(a);
+}
+
+// A decode row against one block: the `rows` query heads of a kv head for one query token, so that every row sees
+// the same keys [first, last). Per row, 16 keys' scores at a time in registers (dots16: one reduction for 16 keys),
+// then the online softmax 16 lanes at a time (exp_neg), the weights into sc (row r at sc + r * stride, stride >=
+// last rounded up to 16 past first); then the values of all rows, each row's rescaling folded into its
+// accumulators' load. m, l, acc: the rows' running maximum, sum and accumulators (softmax_step's arithmetic up to the
+// exp's last bits and the order of the sum).
+template <int D>
+inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t first,
+                         int64_t last, float scale, float* sc, int64_t stride, float* m, float* l, float* acc,
+                         const uint16_t* pk, const uint16_t* pv) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  float rescale[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512bh qv[D / 32];
+    for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q[r] + 32 * c);
+    float* sr = sc + r * stride;
+    __m512 mx = _mm512_set1_ps(kNegBig);
+    for (int64_t j = first; j < last; j += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, last - j));
+      const __m512 dots = n == 16 ? dots16<D, true>(qv, k + j * D, 16) : dots16<D, false>(qv, k + j * D, n);
+      const __m512 s = _mm512_mul_ps(dots, sv);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      _mm512_storeu_ps(sr + j, s);
+      mx = _mm512_mask_max_ps(mx, valid, mx, s);
+    }
+    const float top = std::max(m[r], _mm512_reduce_max_ps(mx));
+    const __m512 tv = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = first; j < last; j += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, last - j));
+      const __m512 p = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1),
+                                           exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), tv)));
+      _mm512_storeu_ps(sr + j, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    rescale[r] = std::exp(m[r] - top);
+    l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+    m[r] = top;
+  }
+  values_rows<D>(acc, sc, stride, v, rows, first, last, pk, pv, rescale);
 }
 #endif
 
@@ -512,9 +592,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     // (rows rounded up to whole AMX tiles of 16)
     const int64_t max_rows = (std::min<int64_t>(kMaxRows, tile * group) + 15) / 16 * 16;
     // scaled queries and accumulators [rows, d], one block of keys/values as float [B, d], scores [rows, B]
-    std::unique_ptr<float[]> buf(new float[2 * max_rows * d + 2 * B * d + max_rows * B + 2 * max_rows]);
+    // (decode_block's: [rows, B + 16])
+    std::unique_ptr<float[]> buf(new float[2 * max_rows * d + 2 * B * d + max_rows * (B + 16) + 2 * max_rows]);
     float *qf = buf.get(), *acc = qf + max_rows * d, *kb = acc + max_rows * d, *vb = kb + B * d,
-          *sc = vb + B * d, *m = sc + max_rows * B, *l = m + max_rows;
+          *sc = vb + B * d, *m = sc + max_rows * (B + 16), *l = m + max_rows;
     int64_t qpos[kMaxRows];
     const T* qrow[kMaxRows];
 #ifdef MII_ATTN_BF16
@@ -611,63 +692,74 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             const auto* kr = reinterpret_cast<const uint16_t*>(k_cache + base);
             const auto* vr = reinterpret_cast<const uint16_t*>(v_cache + base);
             int64_t lo_j = nk, hi_j = 0;  // the keys some row sees
-            const bool tiled = nq > 1 && B % 16 == 0;  // a prompt tile: every row's scores at once, then masked
-            if (tiled) {
-              const int64_t groups = (nk + 15) / 16;
+            const auto* pk = reinterpret_cast<const uint16_t*>(later_k);
+            const auto* pv = reinterpret_cast<const uint16_t*>(later_v);
+            if (nq == 1) {  // a decode row (or a one-token chunk): every row sees the same keys
+              const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[0] - window + 1 - j0) : 0;
+              const int64_t last = std::min<int64_t>(nk, qpos[0] + 1 - j0);  // exclusive
               const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
+              if (last > first) {
+                if (d == 64) decode_block<64>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                else decode_block<128>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                lo_j = first, hi_j = last;
+              }
+            } else {
+              const bool tiled = nq > 1 && B % 16 == 0;  // a prompt tile: every row's scores at once, then masked
+              if (tiled) {
+                const int64_t groups = (nk + 15) / 16;
+                const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
 #ifdef MII_AMX
-              if (tiles_amx) {
-                const int64_t rtiles = (rows + 15) / 16;
+                if (tiles_amx) {
+                  const int64_t rtiles = (rows + 15) / 16;
+                  if (d == 64) {
+                    keys_as_pairs<64>(kr, nk, kt.data());
+                    scores_amx<64>(qa.data(), rtiles, kt.data(), groups, sc, B);
+                  } else {
+                    keys_as_pairs<128>(kr, nk, kt.data());
+                    scores_amx<128>(qa.data(), rtiles, kt.data(), groups, sc, B);
+                  }
+                } else
+#endif
                 if (d == 64) {
                   keys_as_pairs<64>(kr, nk, kt.data());
-                  scores_amx<64>(qa.data(), rtiles, kt.data(), groups, sc, B);
+                  scores_tile_bf16<64>(qs, rows, kt.data(), groups, fscale, sc, B);
                 } else {
                   keys_as_pairs<128>(kr, nk, kt.data());
-                  scores_amx<128>(qa.data(), rtiles, kt.data(), groups, sc, B);
+                  scores_tile_bf16<128>(qs, rows, kt.data(), groups, fscale, sc, B);
                 }
+              }
+              for (int64_t r = 0; r < rows; ++r) {
+                const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
+                const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
+                float* sr = sc + r * B;
+                if (last <= first) {
+                  std::fill(sr, sr + nk, 0.f);
+                  continue;
+                }
+                if (tiled) {
+                  std::fill(sr, sr + first, 0.f);
+                  std::fill(sr + last, sr + nk, 0.f);
+                  if (tiles_amx)  // (scores_rows_bf16 scales its sums as it stores them)
+                    for (int64_t j = first; j < last; ++j) sr[j] *= fscale;
+                } else {
+                  std::fill(sr, sr + nk, 0.f);
+                  const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
+                  if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
+                  else scores_bf16<128>(qr, kr, first, last, fscale, sr);
+                }
+                softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
+                lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
+              }
+#ifdef MII_AMX
+              if (tiles_amx && hi_j > lo_j) {
+                if (d == 64) values_amx<64>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
+                else values_amx<128>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
               } else
 #endif
-              if (d == 64) {
-                keys_as_pairs<64>(kr, nk, kt.data());
-                scores_tile_bf16<64>(qs, rows, kt.data(), groups, fscale, sc, B);
-              } else {
-                keys_as_pairs<128>(kr, nk, kt.data());
-                scores_tile_bf16<128>(qs, rows, kt.data(), groups, fscale, sc, B);
+              if (hi_j > lo_j) {
+                if (d == 64) values_rows<64>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
+                else values_rows<128>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
               }
-            }
-            for (int64_t r = 0; r < rows; ++r) {
-              const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
-              const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
-              float* sr = sc + r * B;
-              if (last <= first) {
-                std::fill(sr, sr + nk, 0.f);
-                continue;
-              }
-              if (tiled) {
-                std::fill(sr, sr + first, 0.f);
-                std::fill(sr + last, sr + nk, 0.f);
-                if (tiles_amx)  // (scores_rows_bf16 scales its sums as it stores them)
-                  for (int64_t j = first; j < last; ++j) sr[j] *= fscale;
-              } else {
-                std::fill(sr, sr + nk, 0.f);
-                const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
-                if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
-                else scores_bf16<128>(qr, kr, first, last, fscale, sr);
-              }
-              softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
-              lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
-            }
-#ifdef MII_AMX
-            if (tiles_amx && hi_j > lo_j) {
-              if (d == 64) values_amx<64>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
-              else values_amx<128>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
-            } else
-#endif
-            if (hi_j > lo_j) {
-              const auto* pk = reinterpret_cast<const uint16_t*>(later_k);
-              const auto* pv = reinterpret_cast<const uint16_t*>(later_v);
-              if (d == 64) values_rows<64>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
-              else values_rows<128>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
             }
             // the lines the values pass did not prefetch (values_amx: none)
             if (later_k && (tiles_amx || hi_j <= lo_j || hi_j - lo_j < B)) {
