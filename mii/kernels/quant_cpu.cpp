@@ -1025,10 +1025,18 @@ void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 // 32 rows of x by 2 tiles a block: tiles 0-3 a group's sums, 4-5 x, 6-7 the weights; each group's sums then
 // times the weight scale, plus offset x sum(x), into running sums in L1 (bf16_block's arithmetic, in its order;
 // a group's sums are AMX's, in other fp32 order than vdpbf16ps's).
+//
+// `ahead`: the weight bytes of the thread's next task, brought into L2 a few lines every group, over the whole of
+// this one: a task's unpacking reads its pairs a group at a time, 8 places pair_bytes apart, which the hardware
+// prefetcher does not follow, and a decode step streams every weight from memory once (at 16 rows, the unpacking's
+// loads waited for memory; prefetched during the unpacking instead, the prefetches themselves waited).
 void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
-               int64_t N, int64_t n0) {
+               int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   const int64_t cpg = L.G / 32, Mp = (M + 31) / 32 * 32, xstride = K / 2 * 4;
   alignas(64) float part[4][256], acc[4][256];  // C tile i: tile i / 2 of the pair, rows 16 (i % 2) ..
+  const int64_t lines = (ahead_bytes + 63) / 64, steps = (nt + 1) / 2 * (Mp / 32) * L.groups;
+  const int64_t per_step = (lines + steps - 1) / steps;
+  int64_t fetched = 0;
   for (int64_t t0 = 0; t0 < nt; t0 += 2) {
     const int tn = t0 + 1 < nt ? 2 : 1;
     const __m512i* w0 = T.data + t0 * T.stride;
@@ -1038,6 +1046,8 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
       const int32_t* x0 = &X.q[m0 * (K / 2)];
       const int32_t* x1 = x0 + 16 * (K / 2);
       for (int64_t g = 0; g < L.groups; ++g) {
+        for (const int64_t e = std::min(lines, fetched + per_step); fetched < e; ++fetched)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * fetched), _MM_HINT_T1);
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int64_t ch = g * cpg; ch < (g + 1) * cpg; ++ch)
           mii_vec::amx_dots_2x2(x0 + ch * 16, x1 + ch * 16, xstride, w0 + ch * 16, w1 + ch * 16);
@@ -1097,12 +1107,19 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
 #if defined(MII_QBF16) && defined(MII_AMX)
     if (amx) mii_vec::amx_configure();
 #endif
-    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+    // a thread claims its next task as it starts one (amx_tiles prefetches its weights)
+    for (int64_t task = next_task.fetch_add(1, std::memory_order_relaxed), upcoming; task < tasks; task = upcoming) {
+      upcoming = next_task.fetch_add(1, std::memory_order_relaxed);
       const int64_t t0 = task * per_task, nt = std::min(per_task, tiles - t0);
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
 #if defined(MII_QBF16) && defined(MII_AMX)
       if (amx) {
-        amx_tiles(X, M, K, L, T, nt, y, N, t0 * 16);
+        const int64_t p_next = upcoming * per_task * 8, pair_bytes = L.groups * L.block;
+        if (upcoming < tasks)
+          amx_tiles(X, M, K, L, T, nt, y, N, t0 * 16, w + p_next * pair_bytes,
+                    (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes);
+        else
+          amx_tiles(X, M, K, L, T, nt, y, N, t0 * 16, nullptr, 0);
         continue;
       }
 #endif
