@@ -1030,8 +1030,10 @@ void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 // this one: a task's unpacking reads its pairs a group at a time, 8 places pair_bytes apart, which the hardware
 // prefetcher does not follow, and a decode step streams every weight from memory once (at 16 rows, the unpacking's
 // loads waited for memory; prefetched during the unpacking instead, the prefetches themselves waited).
+//
+// yb: y in bf16 instead (rounded to nearest even as linear_output rounds, without its pass over an fp32 copy), or null.
 void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
-               int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
+               at::BFloat16* yb, int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   const int64_t cpg = L.G / 32, Mp = (M + 31) / 32 * 32, xstride = K / 2 * 4;
   alignas(64) float part[4][256], acc[4][256];  // C tile i: tile i / 2 of the pair, rows 16 (i % 2) ..
   const int64_t lines = (ahead_bytes + 63) / 64, steps = (nt + 1) / 2 * (Mp / 32) * L.groups;
@@ -1042,7 +1044,6 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
     const __m512i* w0 = T.data + t0 * T.stride;
     const __m512i* w1 = w0 + (tn == 2 ? T.stride : 0);
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-      std::memset(acc, 0, sizeof acc);
       const int32_t* x0 = &X.q[m0 * (K / 2)];
       const int32_t* x1 = x0 + 16 * (K / 2);
       for (int64_t g = 0; g < L.groups; ++g) {
@@ -1059,8 +1060,9 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
           const __m512 sv = _mm512_loadu_ps(T.sw + (t0 + i / 2) * T.sstride + g * 16);
           const __m512 mv = _mm512_loadu_ps(T.mw + (t0 + i / 2) * T.sstride + g * 16);
           const float* gs = &X.gsum[(m0 + 16 * (i % 2)) * X.groups + g];
-          for (int r = 0; r < 16; ++r) {
-            __m512 a = _mm512_fmadd_ps(_mm512_load_ps(part[i] + 16 * r), sv, _mm512_load_ps(acc[i] + 16 * r));
+          for (int r = 0; r < 16; ++r) {  // (the first group starts the running sums)
+            const __m512 pv = _mm512_load_ps(part[i] + 16 * r);
+            __m512 a = g ? _mm512_fmadd_ps(pv, sv, _mm512_load_ps(acc[i] + 16 * r)) : _mm512_mul_ps(pv, sv);
             if (L.int4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r * X.groups]), a);
             _mm512_store_ps(acc[i] + 16 * r, a);
           }
@@ -1069,19 +1071,25 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
       for (int i = 0; i < 2 * tn; ++i) {
         const int64_t n = n0 + (t0 + i / 2) * 16;
         const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
-        for (int r = 0; r < 16 && m0 + 16 * (i % 2) + r < M; ++r)
-          _mm512_mask_storeu_ps(y + (m0 + 16 * (i % 2) + r) * N + n, valid, _mm512_load_ps(acc[i] + 16 * r));
+        for (int r = 0; r < 16 && m0 + 16 * (i % 2) + r < M; ++r) {
+          const int64_t at = (m0 + 16 * (i % 2) + r) * N + n;
+          if (yb) _mm256_mask_storeu_epi16(yb + at, valid, mii_vec::bf16_round(_mm512_load_ps(acc[i] + 16 * r)));
+          else _mm512_mask_storeu_ps(y + at, valid, _mm512_load_ps(acc[i] + 16 * r));
+        }
       }
     }
   }
 }
 #endif
 
-void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8) {
+// y: fp32 [M, N]; yb: bf16 instead, on the AMX path only (bf16 x on a CPU with AMX)
+void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8,
+               at::BFloat16* yb = nullptr) {
   const int64_t M = x.size(0), N = L.N(), K = L.K();
   XPairs X(x, L.G, act8 && L.int4);
 #if defined(MII_QBF16) && defined(MII_AMX)
   const bool amx = X.bf16 && mii_vec::amx_usable();
+  TORCH_CHECK(!yb || amx, "linear_quant: bf16 output is written by the AMX path only");
   if (amx) {  // whole tiles of 32 rows: the rows past M zero
     const int64_t Mp = (M + 31) / 32 * 32;
     X.q.resize(Mp * K / 2, 0);
@@ -1116,10 +1124,10 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
       if (amx) {
         const int64_t p_next = upcoming * per_task * 8, pair_bytes = L.groups * L.block;
         if (upcoming < tasks)
-          amx_tiles(X, M, K, L, T, nt, y, N, t0 * 16, w + p_next * pair_bytes,
+          amx_tiles(X, M, K, L, T, nt, y, yb, N, t0 * 16, w + p_next * pair_bytes,
                     (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes);
         else
-          amx_tiles(X, M, K, L, T, nt, y, N, t0 * 16, nullptr, 0);
+          amx_tiles(X, M, K, L, T, nt, y, yb, N, t0 * 16, nullptr, 0);
         continue;
       }
 #endif
@@ -1177,6 +1185,18 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
     sizes.back() = N;
     at::Tensor out = at::empty(sizes, x.options());
     decode_rows<1>(x2.data_ptr<at::BFloat16>(), wp, L, out.data_ptr<at::BFloat16>(), act8);
+    return out;
+  }
+#endif
+#if defined(MII_QBF16) && defined(MII_AMX)
+  // bf16 x through AMX without a bias: y written in bf16 by the kernel (linear_output's pass over an fp32 copy was
+  // 5% of a W64 prompt step)
+  if (M >= kTileMinRows && N > 0 && x2.scalar_type() == at::kBFloat16 && !(act8 && L.int4)
+      && !(bias.has_value() && bias->defined()) && mii_vec::amx_usable()) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    at::Tensor out = at::empty(sizes, x.options());
+    vnni_gemm(x2.contiguous(), wp, L, nullptr, act8, out.data_ptr<at::BFloat16>());
     return out;
   }
 #endif
