@@ -337,11 +337,15 @@ inline void kpair_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 #endif
 
 #ifdef MII_AMX
+constexpr int64_t kAmxRows = 5;  // rows of x from which kpair_gemm takes AMX (see there)
+
 // The k-pair layout is AMX's B-tile layout: 16 consecutive tiles of a 16-row group (32 of x's columns) are one
 // 16 x 64-byte tile for `tdpbf16ps`.
 // y [M, N] fp32 = x (bf16 [M, K], K a multiple of 32) @ w.T with AMX: each task takes 32 columns of w (two 16-row
 // groups, 2 x K x 64 bytes, kept in L2) past every 32 rows of x; tiles 0-3 the 32 x 32 sums, 4-5 x, 6-7 w.
-void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y) {
+// yb: y in bf16 instead (rounded to nearest even, as linear_output rounds, without its pass over an fp32 copy), or null.
+void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y,
+                    at::BFloat16* yb = nullptr) {
   const int64_t groups = N / 16, group_elems = K * 16, Mp = (M + 31) / 32 * 32;
   std::vector<uint16_t> padded;
   if (Mp != M) {  // x's last rows padded with zeros to a whole tile; their sums are not stored
@@ -361,8 +365,8 @@ void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int64_t k0 = 0; k0 < K; k0 += 32)
           mii_vec::amx_dots_2x2(x + m0 * K + k0, x + (m0 + 16) * K + k0, K * 2, w0 + k0 * 16, w1 + k0 * 16);
-        float* out = y + m0 * N + g0 * 16;
-        if (m0 + 32 <= M) {
+        float* out = yb ? nullptr : y + m0 * N + g0 * 16;
+        if (!yb && m0 + 32 <= M) {
           _tile_stored(0, out, N * 4);
           _tile_stored(1, out + 16 * N, N * 4);
           if (two) {
@@ -376,8 +380,11 @@ void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
         _tile_stored(2, part[2], 64);
         _tile_stored(3, part[3], 64);
         for (int64_t r = 0; r < 32 && m0 + r < M; ++r)
-          for (int g = 0; g < (two ? 2 : 1); ++g)
-            std::memcpy(out + r * N + g * 16, part[2 * g + r / 16] + (r % 16) * 16, 64);
+          for (int g = 0; g < (two ? 2 : 1); ++g) {
+            const float* sums = part[2 * g + r / 16] + (r % 16) * 16;
+            if (yb) mii_vec::bf16_store(yb + (m0 + r) * N + g0 * 16 + g * 16, _mm512_load_ps(sums));
+            else std::memcpy(out + r * N + g * 16, sums, 64);
+          }
       }
     }
     _tile_release();
@@ -402,7 +409,6 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
   // 10.4-10.6 ms against vdpbf16ps's 7.9-8.3, 6 rows 10.5 / 11.1, 8 rows 10.7 / 12.6, 32 rows 11.7 / 37.6, 64 rows
   // 16.1 / 71.2; one [3072, 576] linear at 256 rows 1,452 against 215 GFLOP/s). Other sums than vdpbf16ps's (fp32
   // order and AMX's own accumulation), the same for a row whichever block of 32 it lands in.
-  constexpr int64_t kAmxRows = 5;
   if (M >= kAmxRows && K % 32 == 0 && mii_vec::amx_usable()) {
     kpair_gemm_amx(x, M, K, tiles, N, y);
     return;
@@ -529,6 +535,19 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
     const at::Tensor xb =
         x2.scalar_type() == at::kBFloat16 && x2.is_contiguous() ? x2 : x2.to(at::kBFloat16).contiguous();
     const at::Tensor w = weight.contiguous();
+#ifdef MII_AMX
+    // bf16 x through AMX without a bias: y written in bf16 by the kernel (kpair_gemm's AMX case)
+    if (x2.scalar_type() == at::kBFloat16 && xb.size(0) >= kAmxRows && N > 0 && K % 32 == 0
+        && !(bias.has_value() && bias->defined()) && mii_vec::amx_usable()) {
+      auto sizes = x.sizes().vec();
+      sizes.back() = N;
+      at::Tensor out = at::empty(sizes, x.options());
+      kpair_gemm_amx(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xb.size(0), K,
+                     reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, nullptr,
+                     out.data_ptr<at::BFloat16>());
+      return out;
+    }
+#endif
     auto y = at::empty({xb.size(0), N}, xb.options().dtype(at::kFloat));
     if (xb.size(0) > 0 && N > 0)
       kpair_gemm(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xb.size(0), K,
