@@ -135,6 +135,20 @@ def test_amx_and_vdpbf16ps_agree(monkeypatch):
         torch.testing.assert_close(out["1"], out["0"], rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+def test_amx_rows_written_in_bf16_round_as_torch():
+    """bf16 x without a bias against k-pair tiles: on CPUs with AMX (5+ rows) the kernel rounds its sums to bf16 as
+    it stores them; with a zero bias the fp32 sums go through linear_output's rounding. The same bits, partial
+    blocks of 32 rows and an odd number of 16-row groups included. Elsewhere both take linear_output."""
+    g = torch.Generator().manual_seed(8)
+    for n, k, m in ((96, 64, 7), (208, 576, 37), (576, 1536, 64)):
+        w = tile_bf16_kpairs(torch.randn(n, k, generator=g).bfloat16())
+        x = torch.randn(m, k, generator=g).bfloat16()
+        out = torch.ops.mii.linear_bf16w(x, w, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert torch.equal(out, torch.ops.mii.linear_bf16w(x, w, torch.zeros(n).bfloat16())), (n, k, m)
+        assert torch.equal(torch.ops.mii.linear_bf16w(x.view(1, m, k), w, None), out.view(1, m, n))
+
+
 @pytest.mark.parametrize("tile", [tile_bf16w, tile_bf16_kpairs])
 def test_tiled_rows_kernel_reads_what_the_views_read(tile):
     """mii::tiled_rows against the torch indexing of the tiles on a real-sized tied LM head (any ids' shape, an

@@ -162,6 +162,24 @@ def test_amx_and_vdpbf16ps_tiles_agree(n, k, scheme, group, monkeypatch):
     torch.testing.assert_close(out["1"], out["0"], rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", 32)])
+def test_tile_rows_written_in_bf16_round_as_torch(scheme, group):
+    """bf16 x from 9 rows on, without a bias: on CPUs with AMX the kernel rounds its sums to bf16 as it stores them
+    (no fp32 copy); with a zero bias the fp32 sums go through linear_output's rounding. The same bits, whatever the
+    rows (partial tiles of 32) and columns (a partial tile of 16) at the edges. Elsewhere both take linear_output."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(21)
+    w = _weight(200, 576, scheme, group, g)
+    zero = torch.zeros(200).bfloat16()
+    for m in (9, 32, 37, 70):
+        x = torch.randn(m, 576, generator=g).bfloat16()
+        out = quant_linear(x, w, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, 200)
+        assert torch.equal(out, quant_linear(x, w, zero)), m
+    x = torch.randn(2, 20, 576, generator=g).bfloat16()  # leading dims kept
+    assert torch.equal(quant_linear(x, w, None), quant_linear(x.view(40, 576), w, None).view(2, 20, 200))
+
+
 def test_bf16_rows_in_and_out_round_as_torch():
     """Decode rows of bf16 x (up to 8: the streaming kernel on every CPU): widened and rounded (bias added first)
     by the kernel itself, not by Tensor.to: the same bits as the fp32 call's result rounded by torch. A single row
