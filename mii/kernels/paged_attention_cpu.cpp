@@ -179,6 +179,19 @@ __attribute__((always_inline)) inline __m512 sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
+// q . k for n <= 16 keys of D bf16 values each (k: the first one's row), lane u = key u's sum (0 from n on)
+template <int D, bool Full>
+__attribute__((always_inline)) inline __m512 dots16(const __m512bh* qv, const uint16_t* k, int n) {
+  __m512 a[16];
+  for (int u = 0; u < 16; ++u) {
+    a[u] = _mm512_setzero_ps();
+    if (Full || u < n)
+      for (int c = 0; c < D / 32; ++c)
+        a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_loadu_si512(k + u * D + 32 * c), qv[c]);
+  }
+  return sum16(a);
+}
+
 // out[j] = scale * q . k[j] for keys [first, last) of one kv head's rows in a block (D bf16 values each)
 template <int D>
 inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t first, int64_t last, float scale, float* out) {
@@ -188,14 +201,7 @@ inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t first, int
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t j = first; j < last; j += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, last - j));
-    __m512 a[16];
-    for (int u = 0; u < 16; ++u) {
-      a[u] = _mm512_setzero_ps();
-      if (u < n)
-        for (int c = 0; c < C; ++c)
-          a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_loadu_si512(k + (j + u) * D + 32 * c), qv[c]);
-    }
-    const __m512 sj = _mm512_mul_ps(sum16(a), sv);
+    const __m512 sj = _mm512_mul_ps(dots16<D, false>(qv, k + j * D, n), sv);
     if (n == 16) _mm512_storeu_ps(out + j, sj);  // (a masked store is not forwarded to the softmax's loads)
     else _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << n) - 1), sj);
   }
@@ -328,19 +334,6 @@ __attribute__((always_inline)) inline __m512 exp_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
-}
-
-// q . k for n <= 16 keys of D bf16 values each (k: the first one's row), lane u = key u's sum (0 from n on)
-template <int D, bool Full>
-__attribute__((always_inline)) inline __m512 dots16(const __m512bh* qv, const uint16_t* k, int n) {
-  __m512 a[16];
-  for (int u = 0; u < 16; ++u) {
-    a[u] = _mm512_setzero_ps();
-    if (Full || u < n)
-      for (int c = 0; c < D / 32; ++c)
-        a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_loadu_si512(k + u * D + 32 * c), qv[c]);
-  }
-  return sum16(a);
 }
 
 // A decode row against one block: the `rows` query heads of a kv head for one query token, so that every row sees
@@ -704,7 +697,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 lo_j = first, hi_j = last;
               }
             } else {
-              const bool tiled = nq > 1 && B % 16 == 0;  // a prompt tile: every row's scores at once, then masked
+              const bool tiled = B % 16 == 0;  // a prompt tile: every row's scores at once, then masked
               if (tiled) {
                 const int64_t groups = (nk + 15) / 16;
                 const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);

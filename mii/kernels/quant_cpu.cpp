@@ -1020,6 +1020,26 @@ void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 #endif
 
 #if defined(MII_QBF16) && defined(MII_AMX)
+// `bytes` at p brought into L2 over `steps` calls of step(), a few lines each (amx_tiles: the next task's weights)
+struct Ahead {
+  const uint8_t* p;
+  int64_t lines, per_step, done = 0;
+  Ahead(const uint8_t* p, int64_t bytes, int64_t steps)
+      : p(p), lines((bytes + 63) / 64), per_step(((bytes + 63) / 64 + steps - 1) / std::max<int64_t>(1, steps)) {}
+  void step() {
+    for (const int64_t e = std::min(lines, done + per_step); done < e; ++done)
+      _mm_prefetch(reinterpret_cast<const char*>(p + 64 * done), _MM_HINT_T1);
+  }
+};
+
+// a row's 16 sums into y (fp32) or yb (bf16, rounded to nearest even), the columns `valid` only
+inline void store_sums(float* y, at::BFloat16* yb, int64_t at, __mmask16 valid, __m512 v) {
+  if (yb) _mm256_mask_storeu_epi16(yb + at, valid, mii_vec::bf16_round(v));
+  else _mm512_mask_storeu_ps(y + at, valid, v);
+}
+#endif
+
+#if defined(MII_QBF16) && defined(MII_AMX)
 // bf16 x against a task's nt tiles with AMX: an unpacked tile's chunk (16 word pairs of 16 rows) is an AMX B tile
 // as it lies, and x's pairs of a chunk for 16 rows an A tile (X.q, its rows padded with zeros to a multiple of 32).
 // 32 rows of x by 2 tiles a block: tiles 0-3 a group's sums, 4-5 x, 6-7 the weights; each group's sums then
@@ -1036,9 +1056,7 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
                at::BFloat16* yb, int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   const int64_t cpg = L.G / 32, Mp = (M + 31) / 32 * 32, xstride = K / 2 * 4;
   alignas(64) float part[4][256], acc[4][256];  // C tile i: tile i / 2 of the pair, rows 16 (i % 2) ..
-  const int64_t lines = (ahead_bytes + 63) / 64, steps = (nt + 1) / 2 * (Mp / 32) * L.groups;
-  const int64_t per_step = (lines + steps - 1) / steps;
-  int64_t fetched = 0;
+  Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * (Mp / 32) * L.groups);
   for (int64_t t0 = 0; t0 < nt; t0 += 2) {
     const int tn = t0 + 1 < nt ? 2 : 1;
     const __m512i* w0 = T.data + t0 * T.stride;
@@ -1047,8 +1065,7 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
       const int32_t* x0 = &X.q[m0 * (K / 2)];
       const int32_t* x1 = x0 + 16 * (K / 2);
       for (int64_t g = 0; g < L.groups; ++g) {
-        for (const int64_t e = std::min(lines, fetched + per_step); fetched < e; ++fetched)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * fetched), _MM_HINT_T1);
+        next.step();
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int64_t ch = g * cpg; ch < (g + 1) * cpg; ++ch)
           mii_vec::amx_dots_2x2(x0 + ch * 16, x1 + ch * 16, xstride, w0 + ch * 16, w1 + ch * 16);
@@ -1071,16 +1088,12 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
       for (int i = 0; i < 2 * tn; ++i) {
         const int64_t n = n0 + (t0 + i / 2) * 16;
         const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
-        for (int r = 0; r < 16 && m0 + 16 * (i % 2) + r < M; ++r) {
-          const int64_t at = (m0 + 16 * (i % 2) + r) * N + n;
-          if (yb) _mm256_mask_storeu_epi16(yb + at, valid, mii_vec::bf16_round(_mm512_load_ps(acc[i] + 16 * r)));
-          else _mm512_mask_storeu_ps(y + at, valid, _mm512_load_ps(acc[i] + 16 * r));
-        }
+        for (int r = 0; r < 16 && m0 + 16 * (i % 2) + r < M; ++r)
+          store_sums(y, yb, (m0 + 16 * (i % 2) + r) * N + n, valid, _mm512_load_ps(acc[i] + 16 * r));
       }
     }
   }
 }
-#endif
 
 // Up to 16 rows of x (a few decode streams, where amx_tiles would pad them to 32): one 16 x 16 C tile at a time, its
 // running sums in registers, group g + 1's tile product issued before group g's sums are scaled (C tiles 0 and 1,
@@ -1103,9 +1116,7 @@ void amx_tiles16(const XPairs& X, int64_t M, int64_t K, const Layout& L, const T
                  at::BFloat16* yb, int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   const int64_t cpg = L.G / 32, Mp = (M + 15) / 16 * 16, xstride = K / 2 * 4, G = L.groups;
   alignas(64) float part[2][256];
-  const int64_t lines = (ahead_bytes + 63) / 64, steps = nt * (Mp / 16) * G;
-  const int64_t per_step = (lines + steps - 1) / steps;
-  int64_t fetched = 0;
+  Ahead next(ahead, ahead_bytes, nt * (Mp / 16) * G);
   for (int64_t t = 0; t < nt; ++t) {
     const __m512i* w = T.data + t * T.stride;
     const float* sw = T.sw + t * T.sstride;
@@ -1118,8 +1129,7 @@ void amx_tiles16(const XPairs& X, int64_t M, int64_t K, const Layout& L, const T
       __m512 acc[16];
       MII_GROUP_PRODUCT(0, 2, 4, x0, xstride, w, 0, cpg);
       for (int64_t g = 0; g < G; ++g) {
-        for (const int64_t e = std::min(lines, fetched + per_step); fetched < e; ++fetched)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * fetched), _MM_HINT_T1);
+        next.step();
         if (g % 2 == 0) {
           if (g + 1 < G) MII_GROUP_PRODUCT(1, 3, 5, x0, xstride, w, g + 1, cpg);
           _tile_stored(0, part[0], 64);
@@ -1135,14 +1145,12 @@ void amx_tiles16(const XPairs& X, int64_t M, int64_t K, const Layout& L, const T
           if (L.int4) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r * X.groups + g]), acc[r]);
         }
       }
-      for (int r = 0; r < 16 && m0 + r < M; ++r) {
-        const int64_t at = (m0 + r) * N + n;
-        if (yb) _mm256_mask_storeu_epi16(yb + at, valid, mii_vec::bf16_round(acc[r]));
-        else _mm512_mask_storeu_ps(y + at, valid, acc[r]);
-      }
+      for (int r = 0; r < 16 && m0 + r < M; ++r) store_sums(y, yb, (m0 + r) * N + n, valid, acc[r]);
     }
   }
 }
+
+#endif
 
 // y: fp32 [M, N]; yb: bf16 instead, on the AMX path only (bf16 x on a CPU with AMX)
 void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8,
@@ -1185,12 +1193,10 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
 #if defined(MII_QBF16) && defined(MII_AMX)
       if (amx) {
         const int64_t p_next = upcoming * per_task * 8, pair_bytes = L.groups * L.block;
-        const auto f = M <= 16 ? amx_tiles16 : amx_tiles;
-        if (upcoming < tasks)
-          f(X, M, K, L, T, nt, y, yb, N, t0 * 16, w + p_next * pair_bytes,
-            (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes);
-        else
-          f(X, M, K, L, T, nt, y, yb, N, t0 * 16, nullptr, 0);
+        const int64_t next_bytes =
+            upcoming < tasks ? (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes : 0;
+        (M <= 16 ? amx_tiles16 : amx_tiles)(X, M, K, L, T, nt, y, yb, N, t0 * 16,
+                                            next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
         continue;
       }
 #endif
