@@ -101,6 +101,8 @@ class Engine:
         prefault = self.runner.prefault
         self.kv = KVCacheManager(plan.kv_num_blocks, plan.kv_block_size, prefix_caching=plan.prefix_caching,
                                  resident=None if prefault is None else prefault.resident)
+        if prefault is not None:
+            prefault.spare = self.kv.allocator.num_reusable
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)
         if self.kv.capacity_tokens < plan.max_context:  # a longer sequence could never run
             plan.max_context = self.kv.capacity_tokens

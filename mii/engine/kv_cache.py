@@ -65,6 +65,12 @@ class BlockAllocator:
         """Blocks `allocate` can hand out: the free list and the idle cached blocks."""
         return len(self._free) + len(self._idle)
 
+    def num_reusable(self) -> int:
+        """Blocks `allocate` can hand out without touching memory never used: the idle cached blocks, the free
+        blocks used before, and those whose pages `resident` says are in place (KVPrefault's `spare`)."""
+        in_place = self.num_blocks if self._resident is None else max(self._used, min(self.num_blocks, self._resident()))
+        return len(self._idle) + len(self._free) - (self.num_blocks - in_place)
+
     @property
     def num_idle(self) -> int:
         return len(self._idle)

@@ -14,7 +14,15 @@ up to twice the blocks it has used, a few at a time. The block allocator hands o
 fills from the start; and it reuses idle cached blocks before it takes a block of memory never touched
 (`BlockAllocator`'s `resident`). So a busy engine faults in only what its running sequences need, a small
 workload keeps a small footprint, and the prefix cache's capacity doubles with each idle moment of a server that
-fills it, up to the whole cache (13 s of faults for 2 GiB on the slowest VM measured).
+fills it, up to the whole cache.
+
+The faults are not free for the engine either: a thread inside them holds a core, nice value or not (the VM's
+host backs the page meanwhile), and where the engine's threads use every core, their time comes out of the
+steps. Measured on the AMX Xeon VMs (2 cores): first touch 70-80 MB/s (24-26 s for the default 2 GiB cache);
+W64 with its ~600 MB of new blocks faulted in as it ran 24.6 s, 18.9 s with the cache already in place. So while
+the engine is busy the margin is kept only while the allocator runs short of blocks it can hand out without new
+memory (`spare`): under a steady load of new prompts it reuses idle cached blocks rather than moving the cache
+onto new memory, a margin at a time, as it did before.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import os
 import threading
 import time
 import weakref
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -73,6 +82,9 @@ class KVPrefault:
         self.ahead = ahead if ahead is not None else max(4, self.AHEAD_BYTES // (self._block_bytes * self._regions))
         self._idle_step = max(1, self.IDLE_BLOCKS_BYTES // (self._block_bytes * self._regions))
         self.idle_after = idle_after
+        self.spare: Optional[Callable[[], int]] = None
+        """The blocks the allocator can hand out without new memory (BlockAllocator.num_reusable; the engine sets
+        it): none, or fewer than `ahead`, and `want` keeps the margin."""
         self.done = 0  # blocks [0, done) are faulted in (as far as the kernel allowed)
         self._want = 0
         self._written = 0
@@ -103,7 +115,11 @@ class KVPrefault:
     def want(self, written: int) -> None:
         self._last_want = time.monotonic()
         self._written = max(self._written, written)
-        target = min(self.num_blocks, written + self.ahead)
+        # the margin only while the allocator runs short of blocks it can hand out without new memory (`spare`):
+        # it takes faulted-in blocks before idle cached ones, so a margin kept ahead of every step would move the
+        # cache onto new memory under a steady load of new prompts, whose faults take a core from the engine
+        short = self.spare is None or self.spare() < self.ahead
+        target = min(self.num_blocks, written + (self.ahead if short else 0))
         if target > self._want:
             with self._cv:
                 self._want = max(self._want, target)

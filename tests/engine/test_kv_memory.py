@@ -63,6 +63,26 @@ def test_faults_in_ahead_of_use_and_keeps_content():
         pre.close()
 
 
+def test_no_margin_while_the_allocator_has_blocks_to_spare():
+    """A busy engine's margin ahead of the blocks written is kept only while the allocator runs short of blocks it
+    can hand out without new memory (`spare`): with enough idle cached blocks it reuses them, and nothing new is
+    faulted in (before, a steady load of new prompts moved the cache onto new memory a margin at a time)."""
+    cache = _cache()
+    pre = KVPrefault(cache, ahead=4, idle_after=None)
+    spare = [4]
+    pre.spare = lambda: spare[0]
+    try:
+        pre.want(10)
+        assert pre.wait() and pre.done == 10  # the blocks written, no margin
+        assert not resident(cache[0, 0, 10:]) and not resident(cache[1, 1, 10:])
+        spare[0] = 3  # running short: the margin again
+        pre.want(10)
+        assert pre.wait() and pre.done == 14 and resident(cache[1, 1, :14])
+        assert not resident(cache[0, 0, 14:])
+    finally:
+        pre.close()
+
+
 def test_an_idle_engine_gets_up_to_twice_what_it_used():
     cache = _cache()
     pre = KVPrefault(cache, ahead=4, idle_after=0.05)
@@ -108,8 +128,10 @@ def test_close_stops_the_thread_between_regions():
 
 
 def test_an_engine_faults_in_its_cache_as_it_goes(pipe):
-    """The engine's runner tells the thread the highest block each step writes."""
+    """The engine's runner tells the thread the highest block each step writes; the engine gives it the
+    allocator's count of blocks to spare."""
     pre = pipe.engine.runner.prefault
+    assert pre.spare == pipe.engine.kv.allocator.num_reusable
     pipe(["hello"] * 3, max_new_tokens=8)
     assert pre.wait() and pre.error is None
     assert pre.done >= min(pre.num_blocks, pre.ahead + 1)

@@ -87,10 +87,31 @@ def test_allocator_reuses_idle_blocks_before_untouched_memory():
     assert a.allocate(2) == [3, 4] and a.lookup(b"h0") == 0  # now in place: the free list, the cache kept
     assert a.allocate(2) == [0, 5]                           # 5 untouched: idle block 0 first; then nothing idle
     plain = BlockAllocator(4)                                # no `resident`: all memory in place
+    assert plain.num_reusable() == 4
     y = plain.allocate(1)
     assert plain.register(y[0], b"h")
     plain.free(y)
     assert plain.allocate(1) == [1] and plain.lookup(b"h") == 0
+
+
+def test_reusable_blocks_are_those_that_need_no_new_memory():
+    """`num_reusable` (KVPrefault's `spare`): idle cached blocks, free blocks used before, and free blocks whose
+    memory is in place; never a block past both what was used and what `resident` says."""
+    resident = [0]
+    a = BlockAllocator(10, resident=lambda: resident[0])
+    assert a.num_reusable() == 0                             # nothing used, nothing faulted in
+    resident[0] = 3
+    assert a.num_reusable() == 3                             # blocks 0-2 in place
+    x = a.allocate(4)                                        # [0, 1, 2, 3]: 3 was untouched
+    assert x == [0, 1, 2, 3] and a.num_reusable() == 0
+    assert a.register(x[0], b"h0")
+    a.free(x)                                                # 0 idle, 1-3 back on the free list
+    assert a.num_idle == 1 and a.num_reusable() == 4
+    resident[0] = 6                                          # 4 and 5 faulted in
+    assert a.num_reusable() == 6
+    resident[0] = 50                                         # past the cache: clamped
+    assert a.num_reusable() == 10
+    assert a.allocate(10) and a.num_reusable() == 0
 
 
 def test_shared_prefix_computes_only_the_rest():
