@@ -36,6 +36,22 @@ inline __m256i bf16_round(__m512 v) {  // 16 fp32 -> bf16, to nearest even
   return _mm512_cvtepi32_epi16(r);
 }
 
+// bf16_round for values computed from bf16 inputs, whose NaNs (if any) have a zero low half: the default NaN, or
+// an input's payload, quieted. Without the NaN check: a NaN's upper half as it is (torch writes 0x7FC0 for every
+// NaN: the same value, other payload bits), infinities and overflow as bf16_round. ~20% of an element-wise loop.
+inline __m512i bf16_round_bits(__m512 v) {  // 16 fp32 -> bf16 in the low half of each 32-bit lane
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+}
+
+// bf16_rounded and bf16_store by bf16_round_bits, for values computed from bf16 inputs
+inline __m512 bf16_rounded_fast(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_round_bits(v), 16)); }
+inline void bf16_store_fast(void* p, __m512 v) {
+  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_round_bits(v)));
+}
+
 inline void bf16_store(void* p, __m512 v) {
   _mm256_storeu_si256(static_cast<__m256i*>(p), bf16_round(v));
 }
@@ -43,6 +59,25 @@ inline void bf16_store(void* p, __m512 v) {
 // v as bf16 would hold it, back in fp32 (the eager code's rounding to the model dtype between two ops)
 inline __m512 bf16_rounded(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+}
+
+// e^x for x <= 0 (a softmax's s - max; silu's e^-|x|), 16 lanes: x = n ln2 + r (ln2 in two parts, Cody and Waite), e^r by Cephes's
+// polynomial on |r| <= ln2 / 2, times 2^n by vscalefps: within 1-2 ulp of expf. Inlined, so that no call spills the
+// loop's registers (the compiler's vectorized std::exp calls libmvec's 8-lane expf, and its tails the scalar one).
+__attribute__((always_inline)) inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32 already; keeps n and r finite
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
 }
 
 // r[n] lane b -> out[b] lane n (a 16 x 16 transpose of 32-bit elements)

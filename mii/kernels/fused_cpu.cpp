@@ -55,6 +55,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::
 #ifdef MII_BF16_VEC
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (n % 16 == 0) {  // the same rounding points, 16 values at a time (the sum of squares in another order)
+        // (x and the residual are bf16: the _fast roundings)
         using namespace mii_vec;
         for_rows(T, n, [&](int64_t r) {
           const scalar_t* xr = xp + r * n;
@@ -64,8 +65,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::
             const scalar_t* rr = rp + r * n;
             scalar_t* rout = ro + r * n;
             for (int64_t i = 0; i < n; i += 16) {
-              const __m512 h = bf16_rounded(_mm512_add_ps(bf16_load(xr + i), bf16_load(rr + i)));
-              bf16_store(rout + i, h);
+              const __m512 h = bf16_rounded_fast(_mm512_add_ps(bf16_load(xr + i), bf16_load(rr + i)));
+              bf16_store_fast(rout + i, h);
               ss = _mm512_fmadd_ps(h, h, ss);
             }
             xr = rout;
@@ -79,7 +80,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::
           const __m512 iv = _mm512_set1_ps(inv), ov = _mm512_set1_ps(fo);
           for (int64_t i = 0; i < n; i += 16) {
             const __m512 xn = _mm512_mul_ps(bf16_load(xr + i), iv), w = bf16_load(wp + i);
-            bf16_store(yr + i, fo == 0.f ? _mm512_mul_ps(bf16_rounded(xn), w) : _mm512_mul_ps(xn, _mm512_add_ps(w, ov)));
+            bf16_store_fast(yr + i, fo == 0.f ? _mm512_mul_ps(bf16_rounded_fast(xn), w)
+                                              : _mm512_mul_ps(xn, _mm512_add_ps(w, ov)));
           }
         });
         return;
@@ -141,8 +143,8 @@ void rotary_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const
               for (int64_t i = 0; i < half; i += 16) {
                 const __m512 x1 = bf16_load(row + i), x2 = bf16_load(row + i + half);
                 const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-                bf16_store(row + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
-                bf16_store(row + i + half, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+                bf16_store_fast(row + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
+                bf16_store_fast(row + i + half, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
               }
               continue;
             }
@@ -159,6 +161,13 @@ void rotary_cpu(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const
   });
 }
 
+// silu(x) = x / (1 + e^-x), from e = e^-|x| <= 1: x / (1 + e) for x >= 0, x e / (1 + e) below. No e^-x of a large
+// negative x, whose overflow to infinity made x / inf a NaN under -ffast-math's reciprocal (x < -88 in fp32).
+inline float silu(float x) {
+  const float e = std::exp(-std::fabs(x));
+  return (x < 0.f ? x * e : x) / (1.f + e);
+}
+
 // [T, 2 * n] (gate | up) -> silu(gate) * up, [T, n]; silu rounded to dtype first, as eager F.silu(gate) * up.
 at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2n]");
@@ -173,25 +182,32 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
       const scalar_t* u = g + n;
       scalar_t* o = yp + r * n;
 #ifdef MII_BF16_VEC
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        if (n % 16 == 0) {  // silu in fp32 over runs of up to 256 (a loop the compiler vectorizes, exp included)
+      constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+      if constexpr (kBf16 || std::is_same_v<scalar_t, float>) {
+        if (n % 16 == 0) {  // silu's formula above, 16 values at a time, its exp inlined (exp_neg)
           using namespace mii_vec;
-          float t[256];
-          for (int64_t i0 = 0; i0 < n; i0 += 256) {
-            const int64_t len = std::min<int64_t>(256, n - i0);
-            for (int64_t i = 0; i < len; i += 16) _mm512_storeu_ps(t + i, bf16_load(g + i0 + i));
-            for (int64_t i = 0; i < len; ++i) t[i] = t[i] / (1.f + std::exp(-t[i]));
-            for (int64_t i = 0; i < len; i += 16)
-              bf16_store(o + i0 + i, _mm512_mul_ps(bf16_rounded(_mm512_loadu_ps(t + i)), bf16_load(u + i0 + i)));
+          const auto load = [](const scalar_t* p) {
+            if constexpr (kBf16) return bf16_load(p);
+            else return _mm512_loadu_ps(p);
+          };
+          const __m512 one = _mm512_set1_ps(1.f);
+          for (int64_t i = 0; i < n; i += 16) {
+            const __m512 xv = load(g + i);
+            const __mmask16 neg = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 e = exp_neg(_mm512_or_ps(xv, _mm512_set1_ps(-0.f)));  // e^-|x|
+            const __m512 s = _mm512_div_ps(_mm512_mask_mul_ps(xv, neg, xv, e), _mm512_add_ps(one, e));
+            if constexpr (kBf16) {  // rounded to bf16, times up, rounded again
+              bf16_store_fast(o + i, _mm512_mul_ps(bf16_rounded_fast(s), load(u + i)));
+            } else {
+              _mm512_storeu_ps(o + i, _mm512_mul_ps(s, load(u + i)));
+            }
           }
           return;
         }
       }
 #endif
-      for (int64_t i = 0; i < n; ++i) {
-        const float gv = f(g[i]);
-        o[i] = static_cast<scalar_t>(round_to<scalar_t>(gv / (1.f + std::exp(-gv))) * f(u[i]));
-      }
+      for (int64_t i = 0; i < n; ++i)
+        o[i] = static_cast<scalar_t>(round_to<scalar_t>(silu(f(g[i]))) * f(u[i]));
     });
   });
   return y;

@@ -317,25 +317,6 @@ inline void values_rows(float* acc, const float* p, int64_t pstride, const uint1
   if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
 }
 
-// e^x for x <= 0 (a softmax's s - max), 16 lanes: x = n ln2 + r (ln2 in two parts, Cody and Waite), e^r by Cephes's
-// polynomial on |r| <= ln2 / 2, times 2^n by vscalefps: within 1-2 ulp of expf. Inlined, so that no call spills the
-// loop's registers (the compiler's vectorized std::exp calls libmvec's 8-lane expf, and its tails the scalar one).
-__attribute__((always_inline)) inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32 already; keeps n and r finite
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // A decode row against one block: the `rows` query heads of a kv head for one query token, so that every row sees
 // the same keys [first, last). Per row, 16 keys' scores at a time in registers (dots16: one reduction for 16 keys),
 // then the online softmax 16 lanes at a time (exp_neg), the weights into sc (row r at sc + r * stride, stride >=
@@ -367,7 +348,7 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t*
     for (int64_t j = first; j < last; j += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, last - j));
       const __m512 p = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1),
-                                           exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), tv)));
+                                           mii_vec::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), tv)));
       _mm512_storeu_ps(sr + j, p);
       sum = _mm512_add_ps(sum, p);
     }

@@ -51,11 +51,48 @@ def test_rms_norm_matches_eager(dtype, n, offset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rotary_keep_nan_as_eager(dtype):
+    """A NaN in a row makes that row NaN, as eager (the bf16 loops round without a NaN check: every NaN they see
+    comes from bf16 inputs); the other rows as eager; rotary carries a NaN to its pair."""
+    norm = RMSNorm(64, 1e-5, 0.0)
+    norm.weight.data = _values(64, dtype=dtype, seed=5)
+    x, res = _values(3, 64, dtype=dtype, seed=6), _values(3, 64, dtype=dtype, seed=7)
+    x[1, 5] = float("nan")
+    y, res2 = torch.ops.mii.rms_norm(x, res, norm.weight, 1e-5, 0.0)
+    y_ref, res_ref = norm(x, res)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and y[1].isnan().all()
+    assert torch.equal(res2.isnan(), res_ref.isnan())
+    _close(y[[0, 2]], y_ref[[0, 2]])
+    q, k = _values(2, 2, 64, dtype=dtype, seed=8), _values(2, 1, 64, dtype=dtype, seed=9)
+    q[0, 1, 3] = float("nan")
+    cos, sin = torch.rand(4, 32), torch.rand(4, 32)
+    positions = torch.tensor([1, 3])
+    q_ref = _rotate(q, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), 64)
+    torch.ops.mii.rotary_(q, k, positions, cos, sin)
+    assert torch.equal(q.isnan(), q_ref.isnan()) and q[0, 1, [3, 35]].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1536, 40])
 def test_silu_and_mul_matches_eager(dtype, n):
     x = _values(5, 2 * n, dtype=dtype, seed=4)
     gate, up = x.chunk(2, dim=-1)
     _close(torch.ops.mii.silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_non_finite_and_extreme_values_as_eager(dtype):
+    """NaN, infinities, zeros and values whose exp over- or underflows in fp32: NaN where eager gives NaN, the same
+    infinities, and the finite values close."""
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 100.0, -100.0, 88.0, -88.0, -104.5,
+                            1e-30, -1e-30, 3e38, -3e38, 20.0, -20.0])
+    gate = torch.cat([special, special.flip(0)]).to(dtype)
+    up = torch.cat([torch.ones(16), special]).to(dtype)
+    ours = torch.ops.mii.silu_and_mul(torch.cat([gate, up]).view(1, -1)).float()
+    ref = (F.silu(gate) * up).float()
+    assert torch.equal(ours.isnan(), ref.view(1, -1).isnan()), (ours, ref)
+    finite = ~ref.isnan().view(1, -1)
+    torch.testing.assert_close(ours[finite], ref.view(1, -1)[finite], rtol=2 ** -7, atol=1e-30)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
