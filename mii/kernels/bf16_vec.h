@@ -61,11 +61,16 @@ inline __m512 bf16_rounded(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
 }
 
-// e^x for x <= 0 (a softmax's s - max; silu's e^-|x|), 16 lanes: x = n ln2 + r (ln2 in two parts, Cody and Waite), e^r by Cephes's
-// polynomial on |r| <= ln2 / 2, times 2^n by vscalefps: within 1-2 ulp of expf. Inlined, so that no call spills the
-// loop's registers (the compiler's vectorized std::exp calls libmvec's 8-lane expf, and its tails the scalar one).
+// e^x for x <= 0 (a softmax's s - max; silu's e^-|x|), 16 lanes: x = n ln2 + r (ln2 in two parts, Cody and
+// Waite), e^r by Cephes's polynomial on |r| <= ln2 / 2, times 2^n by vscalefps: within 1-2 ulp of expf. Inlined, so
+// that no call spills the loop's registers (the compiler's vectorized std::exp calls libmvec's 8-lane expf, and its
+// tails the scalar one). Below -80 it returns 0 (e^-80 is 1.8e-35 of the largest weight, 1): no denormal results, and
+// fewer denormal products after it. A library cannot set flush-to-zero for the process, and each instruction that
+// makes or meets a denormal takes a microcode assist (the prompt tiles' softmax through this function, session 25:
+// pp512 173-174 ms with its denormals down to -104, 153-159 without, libmvec's expf alternated 149-158).
 __attribute__((always_inline)) inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32 already; keeps n and r finite
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-80.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -77,7 +82,7 @@ __attribute__((always_inline)) inline __m512 exp_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // r[n] lane b -> out[b] lane n (a 16 x 16 transpose of 32-bit elements)
