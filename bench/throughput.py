@@ -201,7 +201,8 @@ def measure(pipe, prompts, outputs, label: str) -> dict:
     r["ttft"], r["decode"] = single_stream(pipe)
     r["tg128"] = single_stream(pipe, prompt_len=1, new_tokens=129)[1]  # llama-bench's tg128: from an empty context
     r["pp512"] = prefill_rate(pipe)
-    print(f"{label:<14} W64 {r['w64']:6.1f} s (first {r['w64_first']:.1f} s) | single stream: first token {r['ttft'] * 1000:4.0f} ms, "
+    print(f"{label:<14} W64 {r['w64']:6.1f} s (first {r['w64_first']:.1f} s) | single stream: first token "
+          f"{r['ttft'] * 1000:4.0f} ms, "
           f"decode {r['decode']:6.1f} tok/s (from an empty context {r['tg128']:6.1f}) | pp512 {r['pp512']:6.0f} tok/s",
           flush=True)
     return r

@@ -25,25 +25,21 @@ inline __m512 bf16_load(const void* p) {  // 16 bf16 -> fp32
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
 }
 
-inline __m256i bf16_round(__m512 v) {  // 16 fp32 -> bf16, to nearest even
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// bf16_round for values computed from bf16 inputs, whose NaNs (if any) have a zero low half: the default NaN, or
-// an input's payload, quieted. Without the NaN check: a NaN's upper half as it is (torch writes 0x7FC0 for every
-// NaN: the same value, other payload bits), infinities and overflow as bf16_round. ~20% of an element-wise loop.
+// fp32 -> bf16 to nearest even without bf16_round's NaN check: for values computed from bf16 inputs, whose NaNs (if
+// any) have a zero low half (the default NaN, or an input's payload, quieted), so that a NaN keeps its upper half
+// (torch writes 0x7FC0 for every NaN: the same value, other payload bits); infinities and overflow as bf16_round.
+// ~20% of an element-wise loop.
 inline __m512i bf16_round_bits(__m512 v) {  // 16 fp32 -> bf16 in the low half of each 32-bit lane
   const __m512i u = _mm512_castps_si512(v);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
                                         _mm512_set1_epi32(0x7FFF));
   return _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+}
+
+inline __m256i bf16_round(__m512 v) {  // 16 fp32 -> bf16, to nearest even
+  const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7F800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(bf16_round_bits(v), nan, _mm512_set1_epi32(0x7FC0)));
 }
 
 // bf16_rounded and bf16_store by bf16_round_bits, for values computed from bf16 inputs
