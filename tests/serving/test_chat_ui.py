@@ -25,7 +25,9 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (Debian: apt-get install "
                                                          "chromium; .ci/run installs it): the chat page is not tested")
 KEY = "page-key-7"
-STATS = re.compile(r"^(\d+) tokens · ([\d.]+) tok/s · first token (\d+) ms · (done|stopped at max tokens|stopped)$")
+# the rate only when the tokens came over time: a short reply from a fast server can arrive in one read (CI on
+# 2e7a290 showed "12 tokens · first token 91 ms · stopped at max tokens")
+STATS = re.compile(r"^(\d+) tokens · (?:([\d.]+) tok/s · )?first token (\d+) ms · (done|stopped at max tokens|stopped)$")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,7 @@ def test_chat_streams_the_servers_answer_and_keeps_the_conversation(page, base_u
         assert text == ref.choices[0].message.content and text
         m = STATS.match(stats)
         assert m, stats
-        assert int(m[1]) == ref.usage.completion_tokens and float(m[2]) > 0 and int(m[3]) > 0
+        assert int(m[1]) == ref.usage.completion_tokens and (m[2] is None or float(m[2]) > 0) and int(m[3]) > 0
         assert done == ref.choices[0].finish_reason
         assert m[4] == {"length": "stopped at max tokens", "stop": "done"}[done]
         history.append({"role": "assistant", "content": text})
