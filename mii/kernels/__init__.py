@@ -1,7 +1,8 @@
 """Kernels of our own, behind PyTorch custom ops so that eager code and `torch.compile` call them alike.
 
 - `mii::paged_attention` writes a step's K/V into their cache slots and attends through the block tables in
-  place, for a whole ragged batch (decode tokens and prompt chunks) in one call (`paged_attention_cpu.cpp`);
+  place, for a whole ragged batch (decode tokens and prompt chunks) in one call (`paged_attention_cpu.cpp`), and
+  `mii::keys_paired`, whether it keeps a cache's keys in its paired layout (`paired_keys`);
 - `mii::rms_norm` (with the residual add folded in), `mii::rotary_` (in place on q and k) and
   `mii::silu_and_mul`: one call each where eager PyTorch takes 5-10 small ops (`fused_cpu.cpp`);
 - `mii::linear_bf16w`: a linear whose weight is stored in bf16 and whose math is fp32, for CPUs without native
@@ -46,6 +47,7 @@ _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "
             "float scale, int window) -> Tensor")
+_lib.define("keys_paired(Tensor q, Tensor k_cache) -> bool")
 _lib.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor)")
 _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()")
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
@@ -122,6 +124,16 @@ def _(weight, ids):
     from mii.layers.quant import in_features
 
     return weight.new_empty(*ids.shape, in_features(weight), dtype=torch.float32)
+
+
+def paired_keys(k_cache: torch.Tensor, paired: bool = True) -> torch.Tensor:
+    """A copy of a key cache [blocks, kv_heads, block_size, d] with each block's keys as rows (the torch backend's
+    layout) turned into the layout `mii::paged_attention` keeps where `mii::keys_paired` says so: 16-key groups,
+    each d / 2 vectors whose lane u holds key u's values 2i and 2i + 1 (or back, with paired=False)."""
+    n, kvh, bs, d = k_cache.shape
+    rows, pairs = (n, kvh, bs // 16, 16, d // 2, 2), (n, kvh, bs // 16, d // 2, 16, 2)
+    x = k_cache.reshape(rows if paired else pairs).transpose(3, 4)
+    return x.contiguous().view(n, kvh, bs, d)
 
 
 _lock = threading.Lock()

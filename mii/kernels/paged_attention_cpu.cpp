@@ -31,6 +31,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -207,25 +208,16 @@ inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t first, int
   }
 }
 
-// A prompt tile's scores, where many rows meet the same keys: the block's keys as pairs of values, kt[g * D/2 + i]
-// lane u = key 16g + u's values 2i and 2i + 1 (keys from nk on, and a last odd group, zero), so that `vdpbf16ps`
-// of a broadcast pair of a query's values gives 16 keys' sums in their own lanes: no reduction per key (sum16:
-// 45 shuffles and adds per row and 16 keys), two 16 x 16 transposes per 16 keys shared by all the tile's rows.
-template <int D>
-inline void keys_as_pairs(const uint16_t* k, int64_t nk, __m512i* kt) {
-  constexpr int P = D / 2;
-  const int64_t groups = (nk + 31) / 32 * 2;
-  for (int64_t g = 0; g < groups; ++g)
-    for (int c = 0; c < P / 16; ++c) {
-      __m512i r[16];
-      for (int u = 0; u < 16; ++u)
-        r[u] = 16 * g + u < nk ? _mm512_loadu_si512(k + (16 * g + u) * D + 32 * c) : _mm512_setzero_si512();
-      mii_vec::transpose16(r, kt + g * P + 16 * c);
-    }
-}
-
-// out[r * ostride + j] = scale * q_r . k[j] for R rows and every key j < 16 * groups (kt: keys_as_pairs), two
-// groups at a time (2R independent sums); the caller masks what a row does not see
+// Where rows meet a block's keys in place as bf16 (in_place_bf16, block sizes that are a multiple of 16), the cache
+// holds each kv head's keys of a block as pairs of values (keys_paired): 16-key group g's vector i (64 bytes), lane
+// u = key 16g + u's values 2i and 2i + 1, so that `vdpbf16ps` of a broadcast pair of a query's values gives 16
+// keys' sums in their own lanes: no reduction per key (sum16: 45 shuffles and adds per row and 16 keys), and 16 of
+// its vectors are an AMX B tile as they lie. The keys are laid out once, as they are written (write_cache), where
+// a prompt tile transposed each block it read (keys_as_pairs) and a decode row reduced each key's sums. Lanes of
+// keys not yet written hold zeros or an earlier sequence's keys: their sums land in their own lanes, which no row
+// reads.
+// out[r * ostride + j] = scale * q_r . k[j] for R rows and every key j < 16 * groups (kt: paired keys), two groups at
+// a time and each group's pairs split by parity (4R independent sums); the caller masks what a row does not see
 template <int D, int R>
 inline void scores_rows_bf16(const uint16_t* const* q, const __m512i* kt, int64_t groups, float scale, float* out,
                              int64_t ostride) {
@@ -234,20 +226,24 @@ inline void scores_rows_bf16(const uint16_t* const* q, const __m512i* kt, int64_
   const int32_t* qp[R];
   for (int r = 0; r < R; ++r) qp[r] = reinterpret_cast<const int32_t*>(q[r]);
   for (int64_t g = 0; g < groups; g += 2) {
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    for (int i = 0; i < P; ++i) {
-      const __m512bh w0 = (__m512bh)_mm512_load_si512(kt + g * P + i);
-      const __m512bh w1 = (__m512bh)_mm512_load_si512(kt + (g + 1) * P + i);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(qp[r][i]);
-        a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, x);
-        a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, x);
+    const bool two = g + 1 < groups;  // (past the last group: another head's keys, or the cache's end)
+    __m512 a[R][2][2];
+    for (int r = 0; r < R; ++r) a[r][0][0] = a[r][0][1] = a[r][1][0] = a[r][1][1] = _mm512_setzero_ps();
+    for (int i = 0; i < P; i += 2)
+      for (int e = 0; e < 2; ++e) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(kt + g * P + i + e);
+        const __m512bh w1 =
+            two ? (__m512bh)_mm512_loadu_si512(kt + (g + 1) * P + i + e) : (__m512bh)_mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) {
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(qp[r][i + e]);
+          a[r][0][e] = _mm512_dpbf16_ps(a[r][0][e], w0, x);
+          a[r][1][e] = _mm512_dpbf16_ps(a[r][1][e], w1, x);
+        }
       }
-    }
     for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(out + r * ostride + 16 * g, _mm512_mul_ps(a[r][0], sv));
-      if (g + 1 < groups) _mm512_storeu_ps(out + r * ostride + 16 * (g + 1), _mm512_mul_ps(a[r][1], sv));
+      _mm512_storeu_ps(out + r * ostride + 16 * g, _mm512_mul_ps(_mm512_add_ps(a[r][0][0], a[r][0][1]), sv));
+      if (two)
+        _mm512_storeu_ps(out + r * ostride + 16 * (g + 1), _mm512_mul_ps(_mm512_add_ps(a[r][1][0], a[r][1][1]), sv));
     }
   }
 }
@@ -318,29 +314,39 @@ inline void values_rows(float* acc, const float* p, int64_t pstride, const uint1
 }
 
 // A decode row against one block: the `rows` query heads of a kv head for one query token, so that every row sees
-// the same keys [first, last). Per row, 16 keys' scores at a time in registers (dots16: one reduction for 16 keys),
-// then the online softmax 16 lanes at a time (exp_neg), the weights into sc (row r at sc + r * stride, stride >=
-// last rounded up to 16 past first); then the values of all rows, each row's rescaling folded into its
-// accumulators' load. m, l, acc: the rows' running maximum, sum and accumulators (softmax_step's arithmetic up to the
-// exp's last bits and the order of the sum).
-template <int D>
+// the same keys [first, last). The rows' scores: with paired keys (Paired), every row's 16 keys at a time
+// (scores_tile_bf16, stored into sc: row r at sc + r * stride, stride >= last rounded up to 16 past first); with
+// keys as rows, per row 16 keys' sums reduced together in registers (dots16). Then per row the online softmax 16
+// lanes at a time (exp_neg), the weights into sc; then the values of all rows, each row's rescaling folded into its
+// accumulators' load. m, l, acc: the rows' running maximum, sum and accumulators (softmax_step's arithmetic up to
+// the exp's last bits and the order of the sum).
+template <int D, bool Paired>
 inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t first,
                          int64_t last, float scale, float* sc, int64_t stride, float* m, float* l, float* acc,
                          const uint16_t* pk, const uint16_t* pv) {
   const __m512 sv = _mm512_set1_ps(scale);
   float rescale[kMaxRows];
+  if constexpr (Paired) {
+    const int64_t g0 = first / 16;
+    scores_tile_bf16<D>(q, rows, reinterpret_cast<const __m512i*>(k) + g0 * (D / 2), (last + 15) / 16 - g0, scale,
+                        sc + 16 * g0, stride);
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    __m512bh qv[D / 32];
-    for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q[r] + 32 * c);
     float* sr = sc + r * stride;
     __m512 mx = _mm512_set1_ps(kNegBig);
+    __m512bh qv[D / 32];
+    if constexpr (!Paired)
+      for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q[r] + 32 * c);
     for (int64_t j = first; j < last; j += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, last - j));
-      const __m512 dots = n == 16 ? dots16<D, true>(qv, k + j * D, 16) : dots16<D, false>(qv, k + j * D, n);
-      const __m512 s = _mm512_mul_ps(dots, sv);
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-      _mm512_storeu_ps(sr + j, s);
-      mx = _mm512_mask_max_ps(mx, valid, mx, s);
+      __m512 s;
+      if constexpr (Paired) {
+        s = _mm512_loadu_ps(sr + j);
+      } else {
+        s = _mm512_mul_ps(n == 16 ? dots16<D, true>(qv, k + j * D, 16) : dots16<D, false>(qv, k + j * D, n), sv);
+        _mm512_storeu_ps(sr + j, s);
+      }
+      mx = _mm512_mask_max_ps(mx, static_cast<__mmask16>((1u << n) - 1), mx, s);
     }
     const float top = std::max(m[r], _mm512_reduce_max_ps(mx));
     const __m512 tv = _mm512_set1_ps(top);
@@ -484,6 +490,12 @@ inline bool in_place_bf16(at::ScalarType q, at::ScalarType cache, int64_t d) {
   return false;
 #endif
 }
+// the keys' layout where they are read in place as bf16: as pairs (see scores_rows_bf16) in blocks of whole 16-key
+// groups, as rows otherwise
+inline bool keys_paired(int64_t block_size) { return block_size % 16 == 0; }
+inline bool keys_paired(at::ScalarType q, at::ScalarType cache, int64_t d, int64_t block_size) {
+  return in_place_bf16(q, cache, d) && keys_paired(block_size);
+}
 
 // the shortest prompt chunk that goes through prompt_chunk() (ATen's SDPA) rather than attend()
 inline int64_t sdpa_from(at::ScalarType q, at::ScalarType cache, int64_t d) {
@@ -514,6 +526,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             int64_t q_stride, int64_t o_stride, int64_t sdpa_min) {
   const int64_t group = n_heads / n_kv;
   const bool in_place = in_place_bf16_type<T, C>() && (d == 64 || d == 128);  // scores_bf16 below, not qf
+  const bool paired = in_place && keys_paired(block_size);  // the keys' layout in the blocks
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
 #ifdef MII_AMX
   const bool amx = in_place && block_size % 16 == 0 && mii_vec::amx_usable();  // prompt tiles: scores_amx, values_amx
@@ -534,8 +547,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   // and per (sequence, kv head) how many parts are done: both only when a row is split
   std::vector<float> partial(partial_start[num_seqs] * group * (d + 2));
   const int64_t counters = partial.empty() ? 0 : num_seqs * n_kv;
-  std::unique_ptr<std::atomic<int>[]> finished(counters ? new std::atomic<int>[counters] : nullptr);
-  for (int64_t i = 0; i < counters; ++i) finished[i].store(0, std::memory_order_relaxed);
+  // (one to a cache line: counters that two threads move on would share lines)
+  constexpr int64_t kLine = 64 / sizeof(std::atomic<int>);
+  std::unique_ptr<std::atomic<int>[]> finished(counters ? new std::atomic<int>[counters * kLine] : nullptr);
+  for (int64_t i = 0; i < counters; ++i) finished[i * kLine].store(0, std::memory_order_relaxed);
   const int64_t head_block = B * d;  // elements of one kv head's rows in one block
   const float fscale = static_cast<float>(scale);
   // items are taken one at a time from a shared counter rather than in even shares of the list: their costs differ
@@ -572,10 +587,6 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           *sc = vb + B * d, *m = sc + max_rows * (B + 16), *l = m + max_rows;
     int64_t qpos[kMaxRows];
     const T* qrow[kMaxRows];
-#ifdef MII_ATTN_BF16
-    // a prompt tile's block of keys as pairs (keys_as_pairs): an even number of 16-key groups, d / 2 pairs each
-    std::vector<__m512i> kt(in_place ? (B + 31) / 32 * 2 * (d / 2) : 0);
-#endif
 #ifdef MII_AMX
     // an AMX prompt tile's queries [rows, d] and weights (hi and lo bf16 [rows, 32] each), one block's values as
     // B tiles of key pairs ([d / 16][16] vectors)
@@ -636,8 +647,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
       const int32_t* table = tables + s * table_width;
       const int64_t first_block = lo / B + part * part_blocks;
       if (np > 1) hi = std::min(hi, (first_block + part_blocks) * B);  // this part's keys
-      for (int64_t j0 = first_block * B; j0 < hi; j0 += B) {  // one KV block at a time
-        const int64_t base = (static_cast<int64_t>(table[j0 / B]) * n_kv + kvh) * head_block;
+      for (int64_t k = 0, j0 = first_block * B; j0 < hi; ++k, j0 += B) {  // one KV block at a time (item's block k)
+        const int64_t base = (static_cast<int64_t>(table[first_block + k]) * n_kv + kvh) * head_block;
         const int64_t nk = std::min(B, hi - j0);
         // the blocks ahead, this item's then the next item's: where the blocks are read in place, the one two ahead,
         // its lines spread over the values pass (a burst of them fills the miss queues and stalls the loop, so that
@@ -645,7 +656,6 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         // 43-47 → 31-33 ms a step, 30 layers; a C probe reading 4 KB runs in random order, 2 threads: 14.3 GB/s
         // into L1, 16.2 into L2, where the lines of the next blocks evicted the current one's from L1); otherwise the
         // next one, all at once, while this one is computed
-        const int64_t k = j0 / B - first_block;
         const C* later_k = nullptr;
         const C* later_v = nullptr;
         if (in_place) {
@@ -673,34 +683,30 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               const int64_t last = std::min<int64_t>(nk, qpos[0] + 1 - j0);  // exclusive
               const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
               if (last > first) {
-                if (d == 64) decode_block<64>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
-                else decode_block<128>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                if (paired) {
+                  if (d == 64) decode_block<64, true>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                  else decode_block<128, true>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                } else {
+                  if (d == 64) decode_block<64, false>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                  else decode_block<128, false>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
+                }
                 lo_j = first, hi_j = last;
               }
             } else {
-              const bool tiled = B % 16 == 0;  // a prompt tile: every row's scores at once, then masked
+              const bool tiled = paired;  // a prompt tile: every row's scores at once, then masked
               if (tiled) {
                 const int64_t groups = (nk + 15) / 16;
                 const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
+                const auto* kt = reinterpret_cast<const __m512i*>(kr);
 #ifdef MII_AMX
                 if (tiles_amx) {
                   const int64_t rtiles = (rows + 15) / 16;
-                  if (d == 64) {
-                    keys_as_pairs<64>(kr, nk, kt.data());
-                    scores_amx<64>(qa.data(), rtiles, kt.data(), groups, sc, B);
-                  } else {
-                    keys_as_pairs<128>(kr, nk, kt.data());
-                    scores_amx<128>(qa.data(), rtiles, kt.data(), groups, sc, B);
-                  }
+                  if (d == 64) scores_amx<64>(qa.data(), rtiles, kt, groups, sc, B);
+                  else scores_amx<128>(qa.data(), rtiles, kt, groups, sc, B);
                 } else
 #endif
-                if (d == 64) {
-                  keys_as_pairs<64>(kr, nk, kt.data());
-                  scores_tile_bf16<64>(qs, rows, kt.data(), groups, fscale, sc, B);
-                } else {
-                  keys_as_pairs<128>(kr, nk, kt.data());
-                  scores_tile_bf16<128>(qs, rows, kt.data(), groups, fscale, sc, B);
-                }
+                if (d == 64) scores_tile_bf16<64>(qs, rows, kt, groups, fscale, sc, B);
+                else scores_tile_bf16<128>(qs, rows, kt, groups, fscale, sc, B);
               }
               for (int64_t r = 0; r < rows; ++r) {
                 const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
@@ -738,12 +744,12 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             // the lines the values pass did not prefetch (values_amx: none)
             if (later_k && (tiles_amx || hi_j <= lo_j || hi_j - lo_j < B)) {
               const bool some = !tiles_amx && hi_j > lo_j;
-              const int64_t a = some ? lo_j : 0, b = some ? hi_j : 0;
-              for (int64_t e = 0; e < B * d; e += 64 / sizeof(C)) {
-                if (e / d >= a && e / d < b) continue;
-                __builtin_prefetch(later_k + e, 0, 2);
-                __builtin_prefetch(later_v + e, 0, 2);
-              }
+              const int64_t a = some ? lo_j * d : 0, b = some ? hi_j * d : 0;  // (elements)
+              for (const auto [from, to] : {std::pair<int64_t, int64_t>(0, a), {b, B * d}})
+                for (int64_t e = from; e < to; e += 64 / sizeof(C)) {
+                  __builtin_prefetch(later_k + e, 0, 2);
+                  __builtin_prefetch(later_v + e, 0, 2);
+                }
             }
             continue;
           }
@@ -789,7 +795,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         mine[r * row_floats + 1] = l[r];
         std::memcpy(mine + r * row_floats + 2, acc + r * d, d * sizeof(float));
       }
-      if (finished[s * n_kv + kvh].fetch_add(1, std::memory_order_acq_rel) != np - 1) continue;
+      if (finished[(s * n_kv + kvh) * kLine].fetch_add(1, std::memory_order_acq_rel) != np - 1) continue;
       const float* all = partial.data() + (partial_start[s] + kvh * np) * group * row_floats;
       const int64_t tok = query_start[s];
       for (int64_t r = 0; r < group; ++r) {
@@ -841,17 +847,26 @@ void prompt_chunk(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cach
 }
 
 // this step's keys (or values) [T, kvh, d] into their cache slots (slot = block * B + offset: row `offset` of each
-// kv head's run in the block), rounded to the cache's dtype C (to nearest even, as torch's .to() rounds) when it
-// is not theirs
+// kv head's run in the block, or with `paired` keys lane offset % 16 of group offset / 16's d / 2 vectors), rounded
+// to the cache's dtype C (to nearest even, as torch's .to() rounds) when it is not theirs
 template <typename T, typename C>
-void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
+void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, bool paired = false) {
   const T* x = src.data_ptr<T>();
   C* c = cache.data_ptr<C>();
   const int64_t kvh = cache.size(1), B = cache.size(2), d = cache.size(3), stride = src.stride(0);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t hh = 0; hh < kvh; ++hh) {
-      C* dst = c + ((slots[t] / B * kvh + hh) * B + slots[t] % B) * d;
       const T* row = x + t * stride + hh * d;
+      if constexpr (std::is_same_v<T, C> && sizeof(T) == 2) {
+        if (paired) {  // value pair i of key o at 32-bit word (o / 16 * d / 2 + i) * 16 + o % 16 of the run
+          const int64_t o = slots[t] % B;
+          uint32_t* dst = reinterpret_cast<uint32_t*>(c + (slots[t] / B * kvh + hh) * B * d) + o / 16 * d * 8 + o % 16;
+          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row);
+          for (int64_t i = 0; i < d / 2; ++i) dst[i * 16] = pairs[i];
+          continue;
+        }
+      }
+      C* dst = c + ((slots[t] / B * kvh + hh) * B + slots[t] % B) * d;
       if constexpr (std::is_same_v<T, C>) {
         std::memcpy(dst, row, d * sizeof(T));
       } else {
@@ -891,7 +906,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "paged_attention_cpu", [&] {
     auto run = [&](auto cache_type) {
       using C = decltype(cache_type);
-      write_cache<scalar_t, C>(k, k_cache, slots.data_ptr<int64_t>(), T);
+      write_cache<scalar_t, C>(k, k_cache, slots.data_ptr<int64_t>(), T, keys_paired(dt, cdt, d, bs));
       write_cache<scalar_t, C>(v, v_cache, slots.data_ptr<int64_t>(), T);
       if (T > 0 && S > 0)
         attend<scalar_t, C>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
@@ -913,5 +928,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   return out.view({T, h * d});
 }
 
-TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
+// whether paged_attention reads (and writes) a cache like k_cache under queries of q's dtype with its keys paired
+bool keys_paired_cpu(const at::Tensor& q, const at::Tensor& k_cache) {
+  return k_cache.dim() == 4 && keys_paired(q.scalar_type(), k_cache.scalar_type(), k_cache.size(3), k_cache.size(2));
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("keys_paired", &keys_paired_cpu);
+}
 

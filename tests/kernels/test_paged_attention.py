@@ -32,7 +32,7 @@ def reference(q, k_cache, v_cache, tables, specs, scale, window):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 24])  # 24: bf16 keys in place as rows, not paired
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)])
 def test_matches_reference(dtype, tol, block_size, window, heads):
@@ -66,6 +66,22 @@ def test_half_cache_under_fp32_queries(cache_dtype, specs, window):
     """The new keys and values are rounded to the cache's dtype as torch rounds them; the attention is then exact
     to fp32 over the values the cache holds."""
     _check(torch.float32, 1e-5, 32, window, (9, 3), 64, specs, cache_dtype)
+
+
+def test_keys_paired_where_read_in_place_in_whole_groups():
+    """bf16 queries on a bf16 cache, head size 64 or 128, blocks of whole 16-key groups, a CPU with AVX512-BF16: the
+    kernel keeps each block's keys as pairs (lane u of group g's vector i: key 16g + u's values 2i, 2i + 1)."""
+    q = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 3, 32, 64, dtype=torch.bfloat16)
+    assert torch.ops.mii.keys_paired(q, cache) == ("avx512_bf16" in cpu_flags())
+    assert not torch.ops.mii.keys_paired(q, cache[:, :, :24])
+    assert not torch.ops.mii.keys_paired(q.float(), cache)
+    assert not torch.ops.mii.keys_paired(q[..., :48], torch.zeros(2, 3, 32, 48, dtype=torch.bfloat16))
+    rows = torch.randn(2, 3, 32, 64).bfloat16()
+    paired = kernels.paired_keys(rows)
+    n, h, g, i, u = 1, 2, 1, 5, 7
+    assert torch.equal(paired[n, h].view(-1, 16, 2)[g * 32 + i, u], rows[n, h, 16 * g + u, 2 * i: 2 * i + 2])
+    assert torch.equal(kernels.paired_keys(paired, paired=False), rows)
 
 
 def test_a_cache_of_another_dtype_is_refused():
@@ -104,7 +120,7 @@ def test_bf16_rows_in_place_round_correctly(d, window, specs, amx, monkeypatch):
     out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check(
         torch.bfloat16, 2e-2, 32, window, (9, 3), d, specs)
     tables = [row[: -(-(p + n) // 32)].tolist() for row, (p, n) in zip(block_tables, specs)]
-    expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
+    expected = reference(q, rows_layout(q, k_cache), v_cache, tables, specs, d ** -0.5, window)
     every = "avx512_bf16" in cpu_flags()
     rows = [r for i, (_, n) in enumerate(specs) if every or n < 16 for r in range(query_start[i], query_start[i + 1])]
     got, want = out[rows].double(), expected[rows]
@@ -137,15 +153,27 @@ def _check(dtype, tol, block_size, window, heads, d, specs=MIXED, cache_dtype=No
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     slots = torch.tensor(slots)
-    out = torch.ops.mii.paged_attention(q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables,
+    k_kernel = kernel_layout(q, k_cache)
+    out = torch.ops.mii.paged_attention(q, k, v, k_kernel, v_cache, slots, query_start, seq_lens, block_tables,
                                         37, d ** -0.5, window)
+    k_cache = rows_layout(q, k_kernel)
     # the new keys and values are in their slots
     new_k, new_v = (c[slots // block_size, :, slots % block_size] for c in (k_cache, v_cache))
     assert torch.equal(new_k, k.to(cache_dtype)) and torch.equal(new_v, v.to(cache_dtype))
     expected = reference(q, k_cache, v_cache, tables, specs, d ** -0.5, window)
     assert out.shape == (T, h * d) and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
-    return out, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables)
+    return out, (q, k, v, k_kernel, v_cache, slots, query_start, seq_lens, block_tables)
+
+
+def kernel_layout(q, k_cache):
+    """The key cache as the kernel keeps it (its keys paired where mii::keys_paired says so)."""
+    return kernels.paired_keys(k_cache) if torch.ops.mii.keys_paired(q, k_cache) else k_cache
+
+
+def rows_layout(q, k_cache):
+    """The kernel's key cache with each block's keys as rows again, as reference() reads them."""
+    return kernels.paired_keys(k_cache, paired=False) if torch.ops.mii.keys_paired(q, k_cache) else k_cache
 
 
 def test_traceable_by_torch_compile():
