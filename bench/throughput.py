@@ -8,8 +8,8 @@ from an empty context (1-token prompt, 128 new: llama-bench's tg128); prefill of
 the same W64 and single stream through the torch reference backends (MII_KERNELS=0) in the same run, so
 the kernels' gain is a same-run ratio. With `--compare-quant`, the embedded model's weights three ways in the
 same run — bf16 (quantization="none", dequantized), int8 (quantized at load) and int4 (its GGUF's own blocks,
-the default) — each with its W64, single-stream decode and the resident memory its load adds (in a fresh
-process). Ratios are the result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
+the default), and int4 with int8 activations and with an int8 KV cache — each with its W64, single-stream decode
+and the resident memory its load adds (in a fresh process). Ratios are the result: absolute numbers depend on the machine and its load. With `--llama-bench PATH` (or `$LLAMA_BENCH`),
 llama.cpp's own pp512, tg128 and tg256 @ d128 (our single stream's work) on the same GGUF file and cores in the
 same run, and on its BF16 re-quantization
 when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them); then our decode and its
@@ -133,17 +133,17 @@ import sys, mii
 from bench.throughput import resident_bytes
 before = resident_bytes()
 pipe = mii.pipeline(dtype=sys.argv[1], num_threads=int(sys.argv[2]), quantization=sys.argv[3],
-                    quantize_activations=sys.argv[4] == "1")
+                    quantize_activations=sys.argv[4] == "1", kv_cache_dtype=sys.argv[5])
 print(resident_bytes() - before)
 """
 
 
-def load_resident(dtype: str, threads: int, q: str, act8: bool) -> int:
+def load_resident(dtype: str, threads: int, q: str, act8: bool, kv: str = "auto") -> int:
     """The resident bytes a load of the embedded model adds, in a fresh process (in this one, what an earlier
     pipeline freed is handed back or reused during the next load, so that a delta here can even be negative)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", LOAD_RSS, dtype, str(threads), q, "1" if act8 else "0"],
+    p = subprocess.run([sys.executable, "-c", LOAD_RSS, dtype, str(threads), q, "1" if act8 else "0", kv],
                        capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"measuring the resident memory of quantization={q!r} failed:\n{p.stderr[-2000:]}")
@@ -152,13 +152,21 @@ def load_resident(dtype: str, threads: int, q: str, act8: bool) -> int:
 
 def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
     """W64 and single stream of the embedded model as int4 (its GGUF's blocks), int4 with int8 activations
-    (quantize_activations), int8 and bf16, one after the other in this process; the resident memory each load
-    adds, each in a fresh process."""
+    (quantize_activations), int4 with an int8 KV cache (kv_cache_dtype, where this CPU's kernel reads one), int8 and
+    bf16, one after the other in this process; the resident memory each load adds, each in a fresh process."""
+    from mii.errors import ValidationError
+
     out = {}
-    for q, act8, label in (("auto", False, "int4"), ("auto", True, "int4 a8"), ("int8", False, "int8"),
-                           ("none", False, "bf16")):
-        grown = load_resident(dtype, threads, q, act8)
-        pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8)
+    for q, act8, kv, label in (("auto", False, "auto", "int4"), ("auto", True, "auto", "int4 a8"),
+                               ("auto", False, "int8", "int4 kv8"), ("int8", False, "auto", "int8"),
+                               ("none", False, "auto", "bf16")):
+        try:
+            pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8,
+                                kv_cache_dtype=kv)
+        except ValidationError as e:
+            print(f"{'':<14} mii {label}: not on this machine ({e})", flush=True)
+            continue
+        grown = load_resident(dtype, threads, q, act8, kv)
         r = measure(pipe, prompts, outputs, f"mii {label}")
         r.update(rss_mb=grown / 1e6, weights_mb={k: v / 1e6 for k, v in pipe.engine_plan.weight_bytes.items()},
                  plan=pipe.engine_plan.quantization)
@@ -318,6 +326,10 @@ def main():
                   f"{b['decode']:.1f} tok/s), W64 {b['w64'] / x['w64']:.2f}x, resident {x['rss_mb']:.0f} vs "
                   f"{b['rss_mb']:.0f} MB, weights {sum(x['weights_mb'].values()):.0f} vs "
                   f"{sum(b['weights_mb'].values()):.0f} MB")
+        if "int4 kv8" in qr:
+            x, i4 = qr["int4 kv8"], qr["int4"]
+            print(f"  int4 kv8 vs int4 (int8 KV cache) W64 {i4['w64'] / x['w64']:.2f}x ({x['w64']:.1f} vs "
+                  f"{i4['w64']:.1f} s), decode {x['decode'] / i4['decode']:.2f}x, pp512 {x['pp512'] / i4['pp512']:.2f}x")
     print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
           f"floor ({bw_floor:.0f} tok/s)")
     if llama:

@@ -10,7 +10,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 where the CPU/GPU has fast bf16, else float32)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (GPU N)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="the KV cache's dtype (auto: bfloat16 where the weights are bf16 under fp32 math, else the "
                         "compute dtype)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

@@ -74,11 +74,14 @@ class ModelConfig(_Config):
     """Default `max_length` (prompt + generated) of a request; the model's context when unset."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype; `auto` picks bfloat16 where the device has fast bf16 matmul, else float32 (CPU) / float16."""
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
     """The KV cache's dtype. `auto`: bfloat16 where the weights are kept in bf16 with fp32 math (a CPU without
     native bf16 matmul: half the bytes that attention reads each step, twice the tokens per GiB), else the compute
     dtype. On CPU a bf16/fp16 cache may sit under fp32 math (keys and values rounded as they are written, the
-    attention in fp32); on a GPU the cache keeps the compute dtype."""
+    attention in fp32); on a GPU the cache keeps the compute dtype. `int8` (CPU, bf16 math, mii's attention kernel
+    on a CPU with AVX512-VNNI and AVX512-BF16, head size 64 or 128): each key and value row quantized to int8 with
+    its own scale as it is written (half a bf16 cache's bytes, ~1.9x the tokens per GiB), queries quantized per row
+    for the keys' integer dot products; lossy, opt-in."""
     device: str = "auto"
     """`auto` (cuda when a GPU is visible, else cpu), `cpu`, `cuda` (the current GPU; one GPU per rank under
     tensor parallelism) or `cuda:N` (GPU N, a single-rank engine)."""

@@ -20,6 +20,7 @@ from mii.engine.constraints import fill_bitmask
 from mii.engine.kv_memory import KVPrefault, zeros_lazy
 from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample, unpack_bitmask
 from mii.engine.scheduler import ScheduledBatch
+from mii.errors import ValidationError
 from mii.layers.attention import AttentionContext, AttentionGroup
 
 
@@ -66,6 +67,11 @@ class StepMeta:
     # logprob a request asked for (prompt_logprobs); their logits follow the sampled rows' in `execute`
 
 
+def kv_row(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one token's row of one kv head in the cache: an int8 cache's rows end in their fp32 scale."""
+    return head_dim + 4 if dtype == torch.int8 else head_dim
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, eos_token_ids: tuple, vocab_size: int, tp_group=None, attention: str = "torch"):
@@ -79,8 +85,15 @@ class ModelRunner:
         self.vocab_size = vocab_size
         layers = model.attention_layers()
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
+        if kv_dtype == torch.int8:  # rows of d int8 values, then their fp32 scales (mii/kernels/paged_attention_cpu.cpp)
+            like = torch.empty(1, kvh, block_size, d + 4, dtype=torch.int8)
+            if not torch.ops.mii.keys_paired(torch.empty(0, dtype=torch.bfloat16), like):
+                raise ValidationError("kv_cache_dtype", f"int8 with head size {d} and blocks of {block_size}: mii's "
+                                      "CPU kernel reads an int8 cache of head size 64 or 128, blocks of a multiple of "
+                                      "16, on a CPU with AVX512-VNNI and AVX512-BF16")
         # [layers, 2, blocks, kv_heads, block_size, head_dim]: head-major blocks (mii/layers/attention.py)
-        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, kvh, block_size, d), kv_dtype, device)
+        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, kvh, block_size, kv_row(d, kv_dtype)), kv_dtype,
+                                   device)
         # on CPU its pages are faulted in by a background thread ahead of the blocks in use, and more while the
         # engine is idle; the allocator reads how far (kv_memory.py)
         self.prefault = KVPrefault(self.kv_cache) if device.type == "cpu" else None
@@ -99,7 +112,7 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
         layers = model.attention_layers()
-        return len(layers) * 2 * block_size * layers[0].n_kv_heads * layers[0].head_dim * dtype.itemsize
+        return len(layers) * 2 * block_size * layers[0].n_kv_heads * kv_row(layers[0].head_dim, dtype) * dtype.itemsize
 
     # --- metadata ------------------------------------------------------------------------------------------------
 

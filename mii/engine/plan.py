@@ -16,7 +16,7 @@ from mii.errors import KVCacheError, ValidationError
 
 log = logging.getLogger("mii")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 CPU_KV_CAP_BYTES = 2 << 30
 ATTENTION_LABELS = {"torch": "torch SDPA over gathered KV blocks",
                     "kernel": "mii::paged_attention (KV blocks read in place, one call per layer); "
@@ -239,6 +239,15 @@ def plan_kv_dtype(plan: EnginePlan, asked: str) -> None:
         plan.kv_dtype = "bfloat16" if mixed else plan.dtype
         plan.reasons["kv dtype"] = ("auto: bf16 like the weights, attention math in fp32: half the bytes a step reads"
                                     if mixed else "auto: the compute dtype")
+        return
+    if asked == "int8":
+        if not (plan.device == "cpu" and plan.dtype == "bfloat16" and plan.attention == "kernel"):
+            raise ValidationError("kv_cache_dtype", f"int8 on {plan.device} under {plan.dtype} math with the "
+                                  f"{plan.attention} attention: an int8 cache is read by mii's CPU attention kernel "
+                                  "under bfloat16 math only")
+        plan.kv_dtype = asked
+        plan.reasons["kv dtype"] = ("kv_cache_dtype=int8: each key and value row int8 with its own scale, queries "
+                                    "quantized per row for the keys' dot products (lossy; half a bf16 cache's bytes)")
         return
     if asked != plan.dtype and not (plan.device == "cpu" and plan.dtype == "float32"):
         raise ValidationError("kv_cache_dtype", f"{asked} under {plan.dtype} math: the attention kernels read a cache "

@@ -260,11 +260,105 @@ inline void scores_tile_bf16(const uint16_t* const* q, int64_t rows, const __m51
   }
 }
 
-// acc rows 0 .. R-1 (D floats each, permuted as above) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a
-// row does not see a key), each value widened once for the R rows
+#ifdef __AVX512VNNI__
+#define MII_ATTN_Q8 1
+// An int8 KV cache (kv_cache_dtype="int8": half a bf16 cache's bytes, twice its tokens), under bf16 queries. Each kv
+// head's run in a block holds B rows of d int8 values, then the rows' B fp32 scales: a key's (or value's) d values
+// are round(x * 127 / max|x|), its scale max|x| / 127 (so the cache is [blocks, kv_heads, B, d + 4] bytes). Keys
+// as quads of values offset by 128 (16-key group g's vector i, lane u: key 16g + u's values 4i .. 4i + 3 as u8),
+// so that `vpdpbusd` against a broadcast quad of a query row quantized the same way gives 16 keys' integer dot
+// products in their own lanes, exact (the offset's 128 times the row's sum is taken off); values as rows in the
+// accumulators' order (byte 32h + i holds value 32h + 2i, byte 32h + 16 + i value 32h + 2i + 1: see acc_value),
+// widened 16 at a time, their scales folded into the softmax's weights.
+
+// a row's scale is max|x| times this (what -ffast-math makes of max|x| / 127 anyway: written so, torch can match it)
+constexpr float kInv127 = 1.f / 127.f;
+
+// one query row (d bf16 values) quantized as the keys are: q8 = round(q * 127 / max|q|), sum = its values' sum;
+// returns its scale
+inline float quantize_row(const uint16_t* q, int64_t d, int8_t* q8, int32_t& sum) {
+  float x[128], mx = 0.f;
+  for (int64_t e = 0; e < d; ++e) {
+    uint32_t bits = static_cast<uint32_t>(q[e]) << 16;
+    std::memcpy(&x[e], &bits, 4);
+    mx = std::max(mx, std::fabs(x[e]));
+  }
+  const float inv = mx > 0.f ? 127.f / mx : 0.f;
+  int32_t total = 0;
+  for (int64_t e = 0; e < d; ++e) {
+    const int v = static_cast<int>(std::nearbyint(x[e] * inv));
+    q8[e] = static_cast<int8_t>(v);
+    total += v;
+  }
+  sum = total;
+  return mx * kInv127;
+}
+
+// what the int8 loops read of a step and a block: the rows' quantized queries (q8 [rows, D]), their sums and
+// scales (times the attention's scale), and the block's key and value scales
+struct Q8Block {
+  const int8_t* q8;
+  const int32_t* qsum;
+  const float* qscale;
+  const float* ks;
+  const float* vs;
+};
+
+// out[r * ostride + j] = row r's score of key j < 16 * groups (kt: the block's keys as quads; ks: their scales),
+// two groups at a time and each group's quads split by parity (4R independent sums)
 template <int D, int R>
-inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t lo, int64_t hi,
-                        const uint16_t* pk = nullptr, const uint16_t* pv = nullptr, const float* rescale = nullptr) {
+inline void scores_rows_q8(const Q8Block& b, int64_t r0, const __m512i* kt, const float* ks, int64_t groups,
+                           float* out, int64_t ostride) {
+  constexpr int Q = D / 4;
+  const int32_t* qp[R];
+  for (int r = 0; r < R; ++r) qp[r] = reinterpret_cast<const int32_t*>(b.q8 + (r0 + r) * D);
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    __m512i a[R][2][2];
+    for (int r = 0; r < R; ++r)
+      a[r][0][0] = a[r][0][1] = a[r][1][0] = a[r][1][1] = _mm512_setzero_si512();
+    for (int i = 0; i < Q; i += 2)
+      for (int e = 0; e < 2; ++e) {
+        const __m512i w0 = _mm512_loadu_si512(kt + g * Q + i + e);
+        const __m512i w1 = two ? _mm512_loadu_si512(kt + (g + 1) * Q + i + e) : _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(qp[r][i + e]);
+          a[r][0][e] = _mm512_dpbusd_epi32(a[r][0][e], w0, x);
+          a[r][1][e] = _mm512_dpbusd_epi32(a[r][1][e], w1, x);
+        }
+      }
+    for (int r = 0; r < R; ++r) {
+      const __m512i off = _mm512_set1_epi32(128 * b.qsum[r0 + r]);
+      const __m512 sv = _mm512_set1_ps(b.qscale[r0 + r]);
+      for (int h = 0; h < (two ? 2 : 1); ++h) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(a[r][h][0], a[r][h][1]), off);
+        const __m512 sc = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sv), _mm512_loadu_ps(ks + 16 * (g + h)));
+        _mm512_storeu_ps(out + r * ostride + 16 * (g + h), sc);
+      }
+    }
+  }
+}
+
+template <int D>
+inline void scores_tile_q8(const Q8Block& b, int64_t rows, const __m512i* kt, const float* ks, int64_t groups,
+                           float* out, int64_t ostride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) scores_rows_q8<D, 4>(b, r, kt, ks, groups, out + r * ostride, ostride);
+  switch (rows - r) {
+    case 3: scores_rows_q8<D, 3>(b, r, kt, ks, groups, out + r * ostride, ostride); break;
+    case 2: scores_rows_q8<D, 2>(b, r, kt, ks, groups, out + r * ostride, ostride); break;
+    case 1: scores_rows_q8<D, 1>(b, r, kt, ks, groups, out + r * ostride, ostride); break;
+  }
+}
+#endif
+
+// acc rows 0 .. R-1 (D floats each, permuted as above) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a
+// row does not see a key), each value widened once for the R rows. E: the values' type, bf16 (uint16_t) or int8
+// (an int8 cache's rows, stored in the accumulators' order: 16 bytes widen to 16 of its positions; p carries the
+// rows' scales)
+template <int D, int R, typename E = uint16_t>
+inline void values_bf16(float* acc, const float* p, int64_t pstride, const E* v, int64_t lo, int64_t hi,
+                        const E* pk = nullptr, const E* pv = nullptr, const float* rescale = nullptr) {
   constexpr int C = D / 16;
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][C];
@@ -275,16 +369,21 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint1
     }
   for (int64_t j = lo; j < hi; ++j) {
     if (pk) {  // key j's rows of a later block: spread over the loop, so that they never fill the miss queues
-      for (int e = 0; e < D; e += 32) {
+      for (int e = 0; e < D; e += 64 / sizeof(E)) {
         __builtin_prefetch(pk + j * D + e, 0, 2);
         __builtin_prefetch(pv + j * D + e, 0, 2);
       }
     }
     __m512 vv[C];
-    for (int c = 0; c < C; c += 2) {
-      const __m512i x = _mm512_loadu_si512(v + j * D + 16 * c);
-      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+    if constexpr (sizeof(E) == 1) {
+      for (int c = 0; c < C; ++c)
+        vv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j * D + 16 * c))));
+    } else {
+      for (int c = 0; c < C; c += 2) {
+        const __m512i x = _mm512_loadu_si512(v + j * D + 16 * c);
+        vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+      }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * pstride + j]);
@@ -298,19 +397,19 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const uint1
 // every row's values, up to kRowsV rows at a time (their accumulators in registers); pk, pv: a later block's keys
 // and values, prefetched by the first rows' pass
 // (rescale: each row's accumulators times rescale[r] first, or nullptr)
-template <int D>
-inline void values_rows(float* acc, const float* p, int64_t pstride, const uint16_t* v, int64_t rows, int64_t lo,
-                        int64_t hi, const uint16_t* pk, const uint16_t* pv, const float* rescale = nullptr) {
+template <int D, typename E = uint16_t>
+inline void values_rows(float* acc, const float* p, int64_t pstride, const E* v, int64_t rows, int64_t lo,
+                        int64_t hi, const E* pk, const E* pv, const float* rescale = nullptr) {
   constexpr int kRowsV = D == 64 ? 4 : 2;
   int64_t r = 0;
   const auto c = [&](int64_t r) { return rescale ? rescale + r : nullptr; };
   for (; r + kRowsV <= rows; r += kRowsV, pk = pv = nullptr)
-    values_bf16<D, kRowsV>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
+    values_bf16<D, kRowsV, E>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
   if constexpr (kRowsV == 4) {
-    if (rows - r == 3) return values_bf16<D, 3>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
-    if (rows - r == 2) return values_bf16<D, 2>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
+    if (rows - r == 3) return values_bf16<D, 3, E>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
+    if (rows - r == 2) return values_bf16<D, 2, E>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
   }
-  if (rows > r) values_bf16<D, 1>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
+  if (rows > r) values_bf16<D, 1, E>(acc + r * D, p + r * pstride, pstride, v, lo, hi, pk, pv, c(r));
 }
 
 // A decode row against one block: the `rows` query heads of a kv head for one query token, so that every row sees
@@ -320,12 +419,23 @@ inline void values_rows(float* acc, const float* p, int64_t pstride, const uint1
 // lanes at a time (exp_neg), the weights into sc; then the values of all rows, each row's rescaling folded into its
 // accumulators' load. m, l, acc: the rows' running maximum, sum and accumulators (softmax_step's arithmetic up to
 // the exp's last bits and the order of the sum).
-template <int D, bool Paired>
-inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t first,
+// An int8 cache's block (E = int8_t, q8: its rows and scales): the rows' scores as integer dot products
+// (scores_tile_q8), and the weights stored times the values' scales.
+template <int D, bool Paired, typename E = uint16_t>
+inline void decode_block(const uint16_t* const* q, int64_t rows, const E* k, const E* v, int64_t first,
                          int64_t last, float scale, float* sc, int64_t stride, float* m, float* l, float* acc,
-                         const uint16_t* pk, const uint16_t* pv) {
+                         const E* pk, const E* pv, const void* q8 = nullptr) {
+  constexpr bool Q8 = sizeof(E) == 1;
   const __m512 sv = _mm512_set1_ps(scale);
   float rescale[kMaxRows];
+#ifdef MII_ATTN_Q8
+  const Q8Block* qb = static_cast<const Q8Block*>(q8);
+  if constexpr (Q8) {
+    const int64_t g0 = first / 16;
+    scores_tile_q8<D>(*qb, rows, reinterpret_cast<const __m512i*>(k) + g0 * (D / 4), qb->ks + 16 * g0,
+                      (last + 15) / 16 - g0, sc + 16 * g0, stride);
+  } else
+#endif
   if constexpr (Paired) {
     const int64_t g0 = first / 16;
     scores_tile_bf16<D>(q, rows, reinterpret_cast<const __m512i*>(k) + g0 * (D / 2), (last + 15) / 16 - g0, scale,
@@ -335,12 +445,12 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t*
     float* sr = sc + r * stride;
     __m512 mx = _mm512_set1_ps(kNegBig);
     __m512bh qv[D / 32];
-    if constexpr (!Paired)
+    if constexpr (!Paired && !Q8)
       for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q[r] + 32 * c);
     for (int64_t j = first; j < last; j += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, last - j));
       __m512 s;
-      if constexpr (Paired) {
+      if constexpr (Paired || Q8) {
         s = _mm512_loadu_ps(sr + j);
       } else {
         s = _mm512_mul_ps(n == 16 ? dots16<D, true>(qv, k + j * D, 16) : dots16<D, false>(qv, k + j * D, n), sv);
@@ -353,8 +463,12 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t*
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = first; j < last; j += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, last - j));
-      const __m512 p = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1),
-                                           mii_vec::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), tv)));
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(valid, mii_vec::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), tv)));
+#ifdef MII_ATTN_Q8
+      if constexpr (Q8) _mm512_storeu_ps(sr + j, _mm512_mul_ps(p, _mm512_maskz_loadu_ps(valid, qb->vs + j)));
+      else
+#endif
       _mm512_storeu_ps(sr + j, p);
       sum = _mm512_add_ps(sum, p);
     }
@@ -362,7 +476,7 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const uint16_t*
     l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum);
     m[r] = top;
   }
-  values_rows<D>(acc, sc, stride, v, rows, first, last, pk, pv, rescale);
+  values_rows<D, E>(acc, sc, stride, v, rows, first, last, pk, pv, rescale);
 }
 #endif
 
@@ -496,10 +610,26 @@ inline bool keys_paired(int64_t block_size) { return block_size % 16 == 0; }
 inline bool keys_paired(at::ScalarType q, at::ScalarType cache, int64_t d, int64_t block_size) {
   return in_place_bf16(q, cache, d) && keys_paired(block_size);
 }
+// whether attend() reads an int8 cache (MII_ATTN_Q8) of head size d under queries of type q
+inline bool q8_cache(at::ScalarType q, int64_t d, int64_t block_size) {
+#ifdef MII_ATTN_Q8
+  return q == at::kBFloat16 && (d == 64 || d == 128) && block_size % 16 == 0;
+#else
+  return false;
+#endif
+}
+template <typename T, typename C>
+constexpr bool q8_type() {
+#ifdef MII_ATTN_Q8
+  return std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, int8_t>;
+#else
+  return false;
+#endif
+}
 
 // the shortest prompt chunk that goes through prompt_chunk() (ATen's SDPA) rather than attend()
 inline int64_t sdpa_from(at::ScalarType q, at::ScalarType cache, int64_t d) {
-  return in_place_bf16(q, cache, d) ? std::numeric_limits<int64_t>::max() : kPromptChunk;
+  return in_place_bf16(q, cache, d) || cache == at::kChar ? std::numeric_limits<int64_t>::max() : kPromptChunk;
 }
 
 // a row's online softmax over one block's scores sr[first, last): the scores become their weights exp(s - max),
@@ -518,18 +648,21 @@ inline void softmax_step(float* sr, int64_t first, int64_t last, float& m, float
   for (int64_t e = 0; e < d; ++e) ar[e] *= c;
 }
 
-// T: the queries' and the output's dtype; C: the cache's (T, or bf16/fp16 under fp32 queries)
+// T: the queries' and the output's dtype; C: the cache's (T, or bf16/fp16 under fp32 queries, or int8 under bf16)
 template <typename T, typename C>
 void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_t* query_start,
             const int32_t* seq_lens, const int32_t* tables, int64_t num_seqs, int64_t table_width,
             int64_t n_heads, int64_t n_kv, int64_t d, int64_t block_size, double scale, int64_t window,
             int64_t q_stride, int64_t o_stride, int64_t sdpa_min) {
   const int64_t group = n_heads / n_kv;
-  const bool in_place = in_place_bf16_type<T, C>() && (d == 64 || d == 128);  // scores_bf16 below, not qf
+  constexpr bool Q8 = q8_type<T, C>();
+  // (bf16 or int8 blocks read as they are, the accumulators permuted: scores_bf16 below, not qf)
+  const bool in_place = (in_place_bf16_type<T, C>() || Q8) && (d == 64 || d == 128);
   const bool paired = in_place && keys_paired(block_size);  // the keys' layout in the blocks
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
 #ifdef MII_AMX
-  const bool amx = in_place && block_size % 16 == 0 && mii_vec::amx_usable();  // prompt tiles: scores_amx, values_amx
+  // prompt tiles: scores_amx, values_amx
+  const bool amx = in_place && !Q8 && block_size % 16 == 0 && mii_vec::amx_usable();
 #endif
   const int64_t B = block_size, part_blocks = std::max<int64_t>(1, kSplitKeys / B);
   // work items: (sequence, kv head, query tile, part of the keys); parts only for decode rows
@@ -551,7 +684,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   constexpr int64_t kLine = 64 / sizeof(std::atomic<int>);
   std::unique_ptr<std::atomic<int>[]> finished(counters ? new std::atomic<int>[counters * kLine] : nullptr);
   for (int64_t i = 0; i < counters; ++i) finished[i * kLine].store(0, std::memory_order_relaxed);
-  const int64_t head_block = B * d;  // elements of one kv head's rows in one block
+  const int64_t head_block = B * (Q8 ? d + 4 : d);  // elements of one kv head's rows in one block (and scales)
   const float fscale = static_cast<float>(scale);
   // items are taken one at a time from a shared counter rather than in even shares of the list: their costs differ
   // (a prompt chunk's later tiles see more keys; sequences differ in length), and so can the threads' speeds
@@ -594,6 +727,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     std::vector<__m512i> vt(amx ? d : 0);
     if (amx) mii_vec::amx_configure();
 #endif
+    // an int8 cache's rows: their queries quantized, the queries' sums and scales
+    std::vector<int8_t> q8(Q8 ? max_rows * d : 0);
+    std::vector<int32_t> qsum(Q8 ? max_rows : 0);
+    std::vector<float> qscale(Q8 ? max_rows : 0);
     // a thread claims its next item as it starts one, so that the last block of one item prefetches the first of
     // the next (a decode row's part is a few blocks: its first one would otherwise wait for memory unhidden)
     int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
@@ -627,6 +764,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             load_row(qrow[r], qf + r * d, d);
             for (int64_t e = 0; e < d; ++e) qf[r * d + e] *= fscale;
           }
+#ifdef MII_ATTN_Q8
+          if constexpr (Q8)
+            qscale[r] = fscale * quantize_row(reinterpret_cast<const uint16_t*>(qrow[r]), d, &q8[r * d], qsum[r]);
+#endif
           qpos[r] = pos;
           m[r] = kNegBig;
           l[r] = 0.f;
@@ -670,6 +811,59 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         } else if (j0 + B < hi) {
           prefetch_block(block_base(at, k + 1), std::min(B, hi - j0 - B) * d);
         }
+#ifdef MII_ATTN_Q8
+        if constexpr (Q8) {  // an int8 cache (in_place is true)
+          const int8_t* kr = k_cache + base;
+          const int8_t* vr = v_cache + base;
+          const Q8Block qb{q8.data(), qsum.data(), qscale.data(), reinterpret_cast<const float*>(kr + B * d),
+                           reinterpret_cast<const float*>(vr + B * d)};
+          const auto* kt = reinterpret_cast<const __m512i*>(kr);
+          int64_t lo_j = nk, hi_j = 0;  // the keys some row sees
+          if (nq == 1) {  // a decode row (or a one-token chunk): every row sees the same keys
+            const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[0] - window + 1 - j0) : 0;
+            const int64_t last = std::min<int64_t>(nk, qpos[0] + 1 - j0);  // exclusive
+            if (last > first) {
+              if (d == 64)
+                decode_block<64, true, int8_t>(nullptr, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc,
+                                               later_k, later_v, &qb);
+              else
+                decode_block<128, true, int8_t>(nullptr, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc,
+                                                later_k, later_v, &qb);
+              lo_j = first, hi_j = last;
+            }
+          } else {  // a prompt tile: every row's scores at once, then masked
+            if (d == 64) scores_tile_q8<64>(qb, rows, kt, qb.ks, (nk + 15) / 16, sc, B);
+            else scores_tile_q8<128>(qb, rows, kt, qb.ks, (nk + 15) / 16, sc, B);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
+              const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
+              float* sr = sc + r * B;
+              if (last <= first) {
+                std::fill(sr, sr + nk, 0.f);
+                continue;
+              }
+              std::fill(sr, sr + first, 0.f);
+              std::fill(sr + last, sr + nk, 0.f);
+              softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
+              for (int64_t j = first; j < last; ++j) sr[j] *= qb.vs[j];
+              lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
+            }
+            if (hi_j > lo_j) {
+              if (d == 64) values_rows<64, int8_t>(acc, sc, B, vr, rows, lo_j, hi_j, later_k, later_v);
+              else values_rows<128, int8_t>(acc, sc, B, vr, rows, lo_j, hi_j, later_k, later_v);
+            }
+          }
+          if (later_k) {  // the lines the values pass did not prefetch, the scales' among them
+            const int64_t a = hi_j > lo_j ? lo_j * d : 0, b = hi_j > lo_j ? hi_j * d : 0;
+            for (const auto [from, to] : {std::pair<int64_t, int64_t>(0, a), {b, head_block}})
+              for (int64_t e = from; e < to; e += 64) {
+                __builtin_prefetch(later_k + e, 0, 2);
+                __builtin_prefetch(later_v + e, 0, 2);
+              }
+          }
+          continue;
+        }
+#endif
 #ifdef MII_ATTN_BF16
         if constexpr (in_place_bf16_type<T, C>()) {
           if (in_place) {
@@ -876,8 +1070,49 @@ void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots,
   }
 }
 
+#ifdef MII_ATTN_Q8
+// this step's keys (keys) or values [T, kvh, d] quantized into an int8 cache's slots (see MII_ATTN_Q8): the row's
+// scale max|x| * (1 / 127), its values round(x * (127 / max|x|)) (to nearest even), the keys as quads offset by 128, the
+// values in the accumulators' order
+template <typename T>
+void write_cache_q8(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, bool keys) {
+  const T* x = src.data_ptr<T>();
+  int8_t* c = cache.data_ptr<int8_t>();
+  const int64_t kvh = cache.size(1), B = cache.size(2), d = cache.size(3) - 4, stride = src.stride(0);
+  float f[128];
+  int q[128];
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t hh = 0; hh < kvh; ++hh) {
+      const T* row = x + t * stride + hh * d;
+      float mx = 0.f;
+      for (int64_t e = 0; e < d; ++e) {
+        f[e] = static_cast<float>(row[e]);
+        mx = std::max(mx, std::fabs(f[e]));
+      }
+      const float inv = mx > 0.f ? 127.f / mx : 0.f;
+      for (int64_t e = 0; e < d; ++e) q[e] = static_cast<int>(std::nearbyint(f[e] * inv));
+      int8_t* run = c + (slots[t] / B * kvh + hh) * B * (d + 4);
+      const int64_t o = slots[t] % B;
+      reinterpret_cast<float*>(run + B * d)[o] = mx * kInv127;
+      if (keys) {
+        uint8_t* g = reinterpret_cast<uint8_t*>(run) + (o / 16 * (d / 4)) * 64 + (o % 16) * 4;
+        for (int64_t i = 0; i < d / 4; ++i)
+          for (int b = 0; b < 4; ++b) g[i * 64 + b] = static_cast<uint8_t>(q[4 * i + b] + 128);
+      } else {
+        int8_t* r = run + o * d;
+        for (int64_t h = 0; h < d; h += 32)
+          for (int i = 0; i < 16; ++i) {
+            r[h + i] = static_cast<int8_t>(q[h + 2 * i]);
+            r[h + 16 + i] = static_cast<int8_t>(q[h + 2 * i + 1]);
+          }
+      }
+    }
+  }
+}
+#endif
+
 // q [T, h, d], k/v [T, kvh, d] (this step's; rows of each token dense), caches [blocks, kvh, block_size, d] in q's
-// dtype or, under fp32 q, bf16 / fp16,
+// dtype or, under fp32 q, bf16 / fp16, or under bf16 q int8 ([blocks, kvh, block_size, d + 4]: see MII_ATTN_Q8),
 // query_start [S + 1], seq_lens [S], block_tables [S, W] (int32), slot_mapping [T] (int64); returns [T, h * d].
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                                at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
@@ -886,15 +1121,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged_attention: q, k, v must be [T, heads, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   const int64_t T = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == d,
-              "paged_attention: caches must be [blocks, kv_heads, block_size, ", d, "]");
-  TORCH_CHECK(h % kvh == 0, "paged_attention: heads must be a multiple of kv heads");
   const auto dt = q.scalar_type(), cdt = k_cache.scalar_type();
+  const int64_t row = cdt == at::kChar ? d + 4 : d;  // (an int8 cache's rows end in their scales)
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == row,
+              "paged_attention: caches must be [blocks, kv_heads, block_size, ", row, "]");
+  TORCH_CHECK(h % kvh == 0, "paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(cdt != at::kChar || q8_cache(dt, d, bs), "paged_attention: an int8 cache needs bf16 queries, head size "
+              "64 or 128, blocks of a multiple of 16 and a CPU with AVX512-VNNI and AVX512-BF16");
   for (const at::Tensor* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == d && x->scalar_type() == dt,
                 "paged_attention: q, k, v must have dense rows and one dtype");
   TORCH_CHECK(v_cache.scalar_type() == cdt &&
-              (cdt == dt || (dt == at::kFloat && (cdt == at::kBFloat16 || cdt == at::kHalf))),
+              (cdt == dt || (dt == at::kFloat && (cdt == at::kBFloat16 || cdt == at::kHalf)) || cdt == at::kChar),
               "paged_attention: the caches must have q's dtype, or bf16/fp16 under fp32 q (got ", cdt, " for ", dt, ")");
   TORCH_CHECK(query_start.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               block_tables.scalar_type() == at::kInt && slot_mapping.scalar_type() == at::kLong,
@@ -906,8 +1144,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "paged_attention_cpu", [&] {
     auto run = [&](auto cache_type) {
       using C = decltype(cache_type);
-      write_cache<scalar_t, C>(k, k_cache, slots.data_ptr<int64_t>(), T, keys_paired(dt, cdt, d, bs));
-      write_cache<scalar_t, C>(v, v_cache, slots.data_ptr<int64_t>(), T);
+      if constexpr (std::is_same_v<C, int8_t>) {
+#ifdef MII_ATTN_Q8
+        write_cache_q8<scalar_t>(k, k_cache, slots.data_ptr<int64_t>(), T, true);
+        write_cache_q8<scalar_t>(v, v_cache, slots.data_ptr<int64_t>(), T, false);
+#endif
+      } else {
+        write_cache<scalar_t, C>(k, k_cache, slots.data_ptr<int64_t>(), T, keys_paired(dt, cdt, d, bs));
+        write_cache<scalar_t, C>(v, v_cache, slots.data_ptr<int64_t>(), T);
+      }
       if (T > 0 && S > 0)
         attend<scalar_t, C>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
                             v_cache.data_ptr<C>(), qs.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
@@ -917,6 +1162,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (cdt == at::kBFloat16) return run(c10::BFloat16());
       if (cdt == at::kHalf) return run(c10::Half());
+    }
+    if constexpr (q8_type<scalar_t, int8_t>()) {
+      if (cdt == at::kChar) return run(int8_t());
     }
     run(scalar_t());
   });
@@ -928,9 +1176,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   return out.view({T, h * d});
 }
 
-// whether paged_attention reads (and writes) a cache like k_cache under queries of q's dtype with its keys paired
+// whether paged_attention keeps the keys of a cache like k_cache, under queries of q's dtype, as pairs (bf16) or
+// quads (int8: where it reads an int8 cache at all)
 bool keys_paired_cpu(const at::Tensor& q, const at::Tensor& k_cache) {
-  return k_cache.dim() == 4 && keys_paired(q.scalar_type(), k_cache.scalar_type(), k_cache.size(3), k_cache.size(2));
+  if (k_cache.dim() != 4) return false;
+  if (k_cache.scalar_type() == at::kChar) return q8_cache(q.scalar_type(), k_cache.size(3) - 4, k_cache.size(2));
+  return keys_paired(q.scalar_type(), k_cache.scalar_type(), k_cache.size(3), k_cache.size(2));
 }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) {

@@ -208,3 +208,117 @@ def test_amx_prompt_tiles_agree_with_vdpbf16ps(block_size, heads, monkeypatch):
                                               torch.tensor([20], dtype=torch.int32), block_tables[:1], 20, 64 ** -0.5, 0)
         assert torch.equal(alone, out[amx][:20]), amx
     torch.testing.assert_close(out["1"], out["0"], rtol=2 ** -7, atol=2 ** -9)
+
+
+# --- an int8 cache (kv_cache_dtype="int8"): [blocks, kv_heads, block_size, d + 4] bytes per layer, each kv head's
+# run in a block B rows of d int8 values (keys as quads offset by 128, values in the accumulators' order) then the
+# rows' B fp32 scales
+
+def int8_cache_rows(cache, keys: bool):
+    """An int8 cache's keys or values as float64 rows [blocks, kv_heads, block_size, d] (values times scales)."""
+    n, kvh, bs, row = cache.shape
+    d = row - 4
+    run = cache.reshape(n, kvh, bs * row)
+    scales = run[..., bs * d:].contiguous().view(torch.float32).double()  # [n, kvh, bs]
+    data = run[..., : bs * d]
+    if keys:  # group g's quad i, lane u: key 16g + u's values 4i .. 4i + 3, offset by 128
+        q = (data.view(torch.uint8).to(torch.int32) - 128).reshape(n, kvh, bs // 16, d // 4, 16, 4).transpose(3, 4)
+    else:  # byte 32h + 16p + i: value 32h + 2i + p
+        q = data.to(torch.int32).reshape(n, kvh, bs, d // 32, 2, 16).transpose(-1, -2)
+    return q.reshape(n, kvh, bs, d).double() * scales[..., None]
+
+
+def quantize_like_the_kernel(x):
+    """Rows of x (last dim) as the kernel quantizes them: int8 values round(x * (127 / max|x|)) and the scale
+    max|x| * (1 / 127), in fp32."""
+    x = x.float()
+    mx = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.full_like(mx, 127) / mx, torch.zeros_like(mx))  # (127 / mx: 127 * (1 / mx))
+    return torch.round(x * inv), mx * torch.tensor(1 / 127, dtype=torch.float32)
+
+
+def _check_int8(block_size, window, heads, d, specs):
+    torch.manual_seed(0)
+    h, kvh = heads
+    num_blocks = sum(-(-(p + n) // block_size) for p, n in specs) + 8
+    # every slot holds some key and value already (random bytes, scales 0.005-0.05); the step writes its own
+    k_cache = torch.randint(-128, 128, (num_blocks, kvh, block_size, d + 4), dtype=torch.int8)
+    v_cache = torch.randint(-128, 128, (num_blocks, kvh, block_size, d + 4), dtype=torch.int8)
+    for c in (k_cache, v_cache):
+        c.view(num_blocks, kvh, -1)[..., block_size * d:] = (
+            torch.rand(num_blocks, kvh, block_size) * 0.045 + 0.005).view(torch.int8).view(num_blocks, kvh, -1)
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-(p + n) // block_size))] for p, n in specs]
+    slots = torch.tensor([t[p // block_size] * block_size + p % block_size
+                          for t, (prev, new) in zip(tables, specs) for p in range(prev, prev + new)])
+    T = sum(new for _, new in specs)
+    q, k, v = (torch.randn(T, n, d).bfloat16() for n in (h, kvh, kvh))
+    query_start = torch.tensor([0] + torch.tensor([n for _, n in specs]).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([p + n for p, n in specs], dtype=torch.int32)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = torch.ops.mii.paged_attention(q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables,
+                                        37, d ** -0.5, window)
+    keys, values = int8_cache_rows(k_cache, True), int8_cache_rows(v_cache, False)
+    # the new keys and values are in their slots, quantized as torch quantizes them
+    for cache_rows, x in ((keys, k), (values, v)):
+        qx, scale = quantize_like_the_kernel(x)
+        assert torch.equal(cache_rows[slots // block_size, :, slots % block_size], (qx.double() * scale.double()))
+    qq, qs = quantize_like_the_kernel(q)  # the queries, per row, as the keys' dot products take them
+    expected = reference(qq.double() * qs.double(), keys, values, tables, specs, d ** -0.5, window)
+    return out, expected, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables)
+
+
+needs_q8 = pytest.mark.skipif(not {"avx512_vnni", "avx512_bf16"} <= set(cpu_flags()),
+                              reason="an int8 cache needs AVX512-VNNI and AVX512-BF16")
+
+
+@needs_q8
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [0, 150])
+@pytest.mark.parametrize("heads,d", [((9, 3), 64), ((8, 1), 64), ((6, 6), 128), ((6, 2), 128)])
+@pytest.mark.parametrize("specs", [MIXED, LONG], ids=["mixed", "long"])
+def test_int8_cache_matches_its_quantized_reference(block_size, window, heads, d, specs):
+    """Decode rows and prompt chunks on an int8 cache: the step's keys and values quantized into their slots exactly
+    as torch rounds them (per row, 127 / max|x|), and the attention within half a bf16 step of the float64
+    attention over what the cache holds, the queries quantized per row as the kernel takes them."""
+    out, want, _ = _check_int8(block_size, window, heads, d, specs)
+    assert out.dtype == torch.bfloat16
+    got = out.double()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2 ** -20))) - 7)
+    shown = want.abs() > 0.05
+    assert ((got - want).abs() <= 0.5 * step * (1 + 2 ** -5))[shown].all()
+
+
+@needs_q8
+def test_int8_cache_row_alone_equals_the_row_in_a_batch():
+    out, _, (q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables) = _check_int8(
+        16, 0, (9, 3), 64, LONG)
+    for i in (0, 2):
+        t = int(query_start[i])
+        alone = torch.ops.mii.paged_attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], k_cache, v_cache, slots[t:t + 1],
+                                              torch.tensor([0, 1], dtype=torch.int32), seq_lens[i:i + 1],
+                                              block_tables[i:i + 1], 1, 64 ** -0.5, 0)
+        assert torch.equal(alone, out[t:t + 1])
+
+
+@needs_q8
+def test_int8_cache_queries_quantized_cost_little():
+    """What quantizing the queries per row costs: the output within 2% (as a whole: 0.85% measured) of the float64
+    attention of the unquantized queries over the same cache, whose keys (random bytes, scales up to 0.05) make
+    sharper scores than a model's."""
+    out, _, (q, _k, _v, _kc, _vc, _s, _qs, _sl, block_tables) = _check_int8(32, 0, (9, 3), 64, MIXED)
+    keys, values = int8_cache_rows(_kc, True), int8_cache_rows(_vc, False)
+    tables = [row[: -(-(p + n) // 32)].tolist() for row, (p, n) in zip(block_tables, MIXED)]
+    exact_q = reference(q.double(), keys, values, tables, MIXED, 64 ** -0.5, 0)
+    assert (out.double() - exact_q).norm() < 2e-2 * exact_q.norm()
+
+
+def test_int8_cache_refused_where_the_kernel_cannot_read_it():
+    q = torch.randn(1, 2, 32, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 2, 16, 36, dtype=torch.int8)  # head size 32
+    with pytest.raises(RuntimeError, match="an int8 cache needs bf16 queries, head size 64 or 128"):
+        torch.ops.mii.paged_attention(q, q[:, :1], q[:, :1], cache, cache, torch.tensor([0]),
+                                      torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                                      torch.tensor([[0]], dtype=torch.int32), 1, 0.3, 0)
+    assert not torch.ops.mii.keys_paired(q, cache)
