@@ -22,3 +22,17 @@ def test_generate_bad_model_is_a_clear_error():
 def test_help_reads_well():
     out = subprocess.run([MII, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "generate" in out.stdout
+
+
+def test_generate_with_an_int8_kv_cache():
+    """`--kv-cache-dtype int8` on the default model: the plan's kv dtype row says int8 and the answer is still
+    right; where this CPU's kernel cannot read an int8 cache, a clear refusal (exit 2) instead."""
+    from mii.envs import cpu_flags
+
+    out = subprocess.run([MII, "generate", "What is the capital of France?", "--max-new-tokens", "24",
+                          "--kv-cache-dtype", "int8"], capture_output=True, text=True, timeout=300)
+    if {"avx512_vnni", "avx512_bf16"} <= set(cpu_flags()):
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "Paris" in out.stdout and "kv dtype             int8" in out.stderr
+    else:
+        assert out.returncode == 2 and "kv_cache_dtype: int8" in out.stderr
