@@ -791,6 +791,10 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
       for (int64_t k = 0, j0 = first_block * B; j0 < hi; ++k, j0 += B) {  // one KV block at a time (item's block k)
         const int64_t base = (static_cast<int64_t>(table[first_block + k]) * n_kv + kvh) * head_block;
         const int64_t nk = std::min(B, hi - j0);
+        auto visible = [&](int64_t r) {  // the keys j0 + j row r sees: j in [first, last)
+          return std::pair<int64_t, int64_t>(window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0,
+                                             std::min<int64_t>(nk, qpos[r] + 1 - j0));
+        };
         // the blocks ahead, this item's then the next item's: where the blocks are read in place, the one two ahead,
         // its lines spread over the values pass (a burst of them fills the miss queues and stalls the loop, so that
         // memory and compute took turns) and brought into L2, not L1 (prefetcht1: 64 decode rows x 300-500 keys
@@ -820,8 +824,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           const auto* kt = reinterpret_cast<const __m512i*>(kr);
           int64_t lo_j = nk, hi_j = 0;  // the keys some row sees
           if (nq == 1) {  // a decode row (or a one-token chunk): every row sees the same keys
-            const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[0] - window + 1 - j0) : 0;
-            const int64_t last = std::min<int64_t>(nk, qpos[0] + 1 - j0);  // exclusive
+            const auto [first, last] = visible(0);
             if (last > first) {
               if (d == 64)
                 decode_block<64, true, int8_t>(nullptr, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc,
@@ -835,8 +838,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             if (d == 64) scores_tile_q8<64>(qb, rows, kt, qb.ks, (nk + 15) / 16, sc, B);
             else scores_tile_q8<128>(qb, rows, kt, qb.ks, (nk + 15) / 16, sc, B);
             for (int64_t r = 0; r < rows; ++r) {
-              const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
-              const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
+              const auto [first, last] = visible(r);
               float* sr = sc + r * B;
               if (last <= first) {
                 std::fill(sr, sr + nk, 0.f);
@@ -873,8 +875,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             const auto* pk = reinterpret_cast<const uint16_t*>(later_k);
             const auto* pv = reinterpret_cast<const uint16_t*>(later_v);
             if (nq == 1) {  // a decode row (or a one-token chunk): every row sees the same keys
-              const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[0] - window + 1 - j0) : 0;
-              const int64_t last = std::min<int64_t>(nk, qpos[0] + 1 - j0);  // exclusive
+              const auto [first, last] = visible(0);
               const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
               if (last > first) {
                 if (paired) {
@@ -903,8 +904,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 else scores_tile_bf16<128>(qs, rows, kt, groups, fscale, sc, B);
               }
               for (int64_t r = 0; r < rows; ++r) {
-                const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
-                const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
+                const auto [first, last] = visible(r);
                 float* sr = sc + r * B;
                 if (last <= first) {
                   std::fill(sr, sr + nk, 0.f);
@@ -960,8 +960,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         }
         for (int64_t r = 0; r < rows; ++r) {
           // keys j0 + j visible to this row: (qpos - window, qpos]
-          const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
-          const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);  // exclusive
+          const auto [first, last] = visible(r);
           if (last <= first) continue;
           const float* qr = qf + r * d;
           float* sr = sc + r * B;
