@@ -329,7 +329,8 @@ def main():
         if "int4 kv8" in qr:
             x, i4 = qr["int4 kv8"], qr["int4"]
             print(f"  int4 kv8 vs int4 (int8 KV cache) W64 {i4['w64'] / x['w64']:.2f}x ({x['w64']:.1f} vs "
-                  f"{i4['w64']:.1f} s), decode {x['decode'] / i4['decode']:.2f}x, pp512 {x['pp512'] / i4['pp512']:.2f}x")
+                  f"{i4['w64']:.1f} s), decode {x['decode'] / i4['decode']:.2f}x, "
+                  f"pp512 {x['pp512'] / i4['pp512']:.2f}x")
     print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
           f"floor ({bw_floor:.0f} tok/s)")
     if llama:

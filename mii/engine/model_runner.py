@@ -85,7 +85,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         layers = model.attention_layers()
         kvh, d = layers[0].n_kv_heads, layers[0].head_dim
-        if kv_dtype == torch.int8:  # rows of d int8 values, then their fp32 scales (mii/kernels/paged_attention_cpu.cpp)
+        if kv_dtype == torch.int8:  # rows of d int8 values, then their fp32 scales (kernels/paged_attention_cpu.cpp)
             like = torch.empty(1, kvh, block_size, d + 4, dtype=torch.int8)
             if not torch.ops.mii.keys_paired(torch.empty(0, dtype=torch.bfloat16), like):
                 raise ValidationError("kv_cache_dtype", f"int8 with head size {d} and blocks of {block_size}: mii's "

@@ -377,7 +377,8 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const E* v,
     __m512 vv[C];
     if constexpr (sizeof(E) == 1) {
       for (int c = 0; c < C; ++c)
-        vv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j * D + 16 * c))));
+        vv[c] = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j * D + 16 * c))));
     } else {
       for (int c = 0; c < C; c += 2) {
         const __m512i x = _mm512_loadu_si512(v + j * D + 16 * c);
@@ -878,13 +879,15 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               const auto [first, last] = visible(0);
               const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
               if (last > first) {
-                if (paired) {
-                  if (d == 64) decode_block<64, true>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
-                  else decode_block<128, true>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
-                } else {
-                  if (d == 64) decode_block<64, false>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
-                  else decode_block<128, false>(qs, rows, kr, vr, first, last, fscale, sc, B + 16, m, l, acc, pk, pv);
-                }
+                const int64_t st = B + 16;  // (decode_block's scores stride)
+                if (paired && d == 64)
+                  decode_block<64, true>(qs, rows, kr, vr, first, last, fscale, sc, st, m, l, acc, pk, pv);
+                else if (paired)
+                  decode_block<128, true>(qs, rows, kr, vr, first, last, fscale, sc, st, m, l, acc, pk, pv);
+                else if (d == 64)
+                  decode_block<64, false>(qs, rows, kr, vr, first, last, fscale, sc, st, m, l, acc, pk, pv);
+                else
+                  decode_block<128, false>(qs, rows, kr, vr, first, last, fscale, sc, st, m, l, acc, pk, pv);
                 lo_j = first, hi_j = last;
               }
             } else {
@@ -1071,8 +1074,8 @@ void write_cache(const at::Tensor& src, at::Tensor& cache, const int64_t* slots,
 
 #ifdef MII_ATTN_Q8
 // this step's keys (keys) or values [T, kvh, d] quantized into an int8 cache's slots (see MII_ATTN_Q8): the row's
-// scale max|x| * (1 / 127), its values round(x * (127 / max|x|)) (to nearest even), the keys as quads offset by 128, the
-// values in the accumulators' order
+// scale max|x| * (1 / 127), its values round(x * (127 / max|x|)) (to nearest even), the keys as quads offset by
+// 128, the values in the accumulators' order
 template <typename T>
 void write_cache_q8(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, bool keys) {
   const T* x = src.data_ptr<T>();
