@@ -69,7 +69,8 @@ HEAD64 = dict(TINY, hidden_size=256, intermediate_size=256)  # 4 heads of 64, 2 
                     reason="an int8 KV cache needs AVX512-VNNI and AVX512-BF16")
 def test_int8_kv_cache_close_to_bf16(tmp_path, tokenizer_dir):
     """kv_cache_dtype="int8" (bf16 math, the kernel): the cache holds d + 4 bytes a row; greedy generation stays
-    close to the bf16 cache's in vLLM's check_logprobs_close sense."""
+    close to the bf16 cache's in vLLM's check_logprobs_close sense, and prompts served again from the prefix cache's
+    int8 blocks get the same tokens."""
     if kernels.load_cpu_kernels() is not None:
         pytest.skip(f"CPU kernels not built: {kernels.load_cpu_kernels()}")
     path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **HEAD64), tmp_path, tokenizer_dir)
@@ -85,6 +86,11 @@ def test_int8_kv_cache_close_to_bf16(tmp_path, tokenizer_dir):
             outs[kv] = pipe(prompts, **args)
             if kv == "int8":
                 assert "kv dtype             int8  (kv_cache_dtype=int8" in pipe.engine_plan.describe()
+                # the same prompts again: their full blocks come from the prefix cache, the tokens do not move
+                hits = pipe.engine.kv.hit_tokens
+                again = pipe(prompts, **args)
+                assert pipe.engine.kv.hit_tokens - hits >= 16 * sum(len(p) // 16 for p in prompts) - 16
+                assert [o.token_ids for o in again] == [o.token_ids for o in outs[kv]]
         finally:
             pipe.destroy()
     parted, diffs = 0, []
