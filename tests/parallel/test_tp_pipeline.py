@@ -17,6 +17,7 @@ import torch
 from transformers import FalconConfig, LlamaConfig, MixtralConfig, PhiConfig
 
 import mii
+from mii.envs import cpu_flags
 from mii.errors import ModelLoadError, TensorParallelError
 from mii.loading import load_model, resolve_source
 from mii.parallel import set_tp
@@ -70,6 +71,26 @@ def test_tp2_greedy_equals_tp1(tmp_path, tokenizer_dir, name):
             assert all(abs(u - v) < 1e-4 for u, v in zip(xs, ys)), f"prompt {i} step {step}: {xs} != {ys}"
             for tok in x["top_logprobs"].keys() & y["top_logprobs"].keys():
                 assert abs(x["top_logprobs"][tok] - y["top_logprobs"][tok]) < 1e-4, f"prompt {i} step {step} {tok}"
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx512_bf16"} <= set(cpu_flags()),
+                    reason="an int8 KV cache needs AVX512-VNNI and AVX512-BF16")
+def test_tp2_int8_kv_cache_equals_tp1(tmp_path, tokenizer_dir):
+    """kv_cache_dtype="int8" under bf16 math (4 heads of 64, 2 kv heads: one per rank): each rank's cache holds its
+    kv head's int8 rows, and the tokens are the one-rank pipeline's."""
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **dict(TINY, hidden_size=256, intermediate_size=256)),
+                           tmp_path, tokenizer_dir)
+    prompts = prompts_for(VOCAB)
+    kw = dict(dtype="bfloat16", kv_cache_dtype="int8", inference_engine_config={"state_manager": {"kv_block_size": 16}})
+    outs = {}
+    for tp in (1, 2):
+        pipe = mii.pipeline(str(path), tensor_parallel=tp, **kw, **({"torch_dist_port": free_port()} if tp > 1 else {}))
+        try:
+            assert pipe.engine_plan.kv_dtype == "int8" and pipe.engine.runner.kv_cache.shape[-3:] == (2 // tp, 16, 68)
+            outs[tp] = [o.token_ids for o in pipe(prompts, max_new_tokens=NEW, do_sample=False, ignore_eos=True)]
+        finally:
+            pipe.destroy()
+    assert outs[2] == outs[1]
 
 
 def param_bytes(model) -> dict[str, int]:
