@@ -796,6 +796,14 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           return std::pair<int64_t, int64_t>(window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0,
                                              std::min<int64_t>(nk, qpos[r] + 1 - j0));
         };
+        auto tile_row = [&](int64_t r) {  // a prompt tile's row r: its scores zero outside the keys it sees, those keys
+          auto [first, last] = visible(r);
+          float* sr = sc + r * B;
+          if (last <= first) first = last = nk;
+          std::fill(sr, sr + first, 0.f);
+          std::fill(sr + last, sr + nk, 0.f);
+          return std::pair<int64_t, int64_t>(first, last);
+        };
         // the blocks ahead, this item's then the next item's: where the blocks are read in place, the one two ahead,
         // its lines spread over the values pass (a burst of them fills the miss queues and stalls the loop, so that
         // memory and compute took turns) and brought into L2, not L1 (prefetcht1: 64 decode rows x 300-500 keys
@@ -839,14 +847,9 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             if (d == 64) scores_tile_q8<64>(qb, rows, kt, qb.ks, (nk + 15) / 16, sc, B);
             else scores_tile_q8<128>(qb, rows, kt, qb.ks, (nk + 15) / 16, sc, B);
             for (int64_t r = 0; r < rows; ++r) {
-              const auto [first, last] = visible(r);
+              const auto [first, last] = tile_row(r);
+              if (last <= first) continue;
               float* sr = sc + r * B;
-              if (last <= first) {
-                std::fill(sr, sr + nk, 0.f);
-                continue;
-              }
-              std::fill(sr, sr + first, 0.f);
-              std::fill(sr + last, sr + nk, 0.f);
               softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
               for (int64_t j = first; j < last; ++j) sr[j] *= qb.vs[j];
               lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
@@ -907,19 +910,13 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 else scores_tile_bf16<128>(qs, rows, kt, groups, fscale, sc, B);
               }
               for (int64_t r = 0; r < rows; ++r) {
-                const auto [first, last] = visible(r);
+                const auto [first, last] = tile_row(r);
+                if (last <= first) continue;
                 float* sr = sc + r * B;
-                if (last <= first) {
-                  std::fill(sr, sr + nk, 0.f);
-                  continue;
-                }
                 if (tiled) {
-                  std::fill(sr, sr + first, 0.f);
-                  std::fill(sr + last, sr + nk, 0.f);
                   if (tiles_amx)  // (scores_rows_bf16 scales its sums as it stores them)
                     for (int64_t j = first; j < last; ++j) sr[j] *= fscale;
                 } else {
-                  std::fill(sr, sr + nk, 0.f);
                   const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
                   if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
                   else scores_bf16<128>(qr, kr, first, last, fscale, sr);
