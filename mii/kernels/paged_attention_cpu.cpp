@@ -263,8 +263,8 @@ inline void scores_tile_bf16(const uint16_t* const* q, int64_t rows, const __m51
 #ifdef __AVX512VNNI__
 #define MII_ATTN_Q8 1
 // An int8 KV cache (kv_cache_dtype="int8": half a bf16 cache's bytes, twice its tokens), under bf16 queries. Each kv
-// head's run in a block holds B rows of d int8 values, then the rows' B fp32 scales: a key's (or value's) d values
-// are round(x * 127 / max|x|), its scale max|x| / 127 (so the cache is [blocks, kv_heads, B, d + 4] bytes). Keys
+// head's run in a block holds B rows of d int8 values, then the rows' B fp32 scales (quantize: a row's values
+// round(x * (127 / max|x|)), its scale max|x| * (1 / 127); so the cache is [blocks, kv_heads, B, d + 4] bytes). Keys
 // as quads of values offset by 128 (16-key group g's vector i, lane u: key 16g + u's values 4i .. 4i + 3 as u8),
 // so that `vpdpbusd` against a broadcast quad of a query row quantized the same way gives 16 keys' integer dot
 // products in their own lanes, exact (the offset's 128 times the row's sum is taken off); values as rows in the
@@ -274,23 +274,29 @@ inline void scores_tile_bf16(const uint16_t* const* q, int64_t rows, const __m51
 // a row's scale is max|x| times this (what -ffast-math makes of max|x| / 127 anyway: written so, torch can match it)
 constexpr float kInv127 = 1.f / 127.f;
 
-// one query row (d bf16 values) quantized as the keys are: q8 = round(q * 127 / max|q|), sum = its values' sum;
-// returns its scale
-inline float quantize_row(const uint16_t* q, int64_t d, int8_t* q8, int32_t& sum) {
+// a row of d <= 128 values (T: float, or bf16 as uint16_t bits) as int8: q[e] = round(x[e] * (127 / max|x|)), to
+// nearest even, and (sum) their sum; returns the row's scale, max|x| * (1 / 127). The cache's keys and values and
+// the queries alike.
+template <typename T, typename Q>
+inline float quantize(const T* row, int64_t d, Q* q, int32_t* sum = nullptr) {
   float x[128], mx = 0.f;
   for (int64_t e = 0; e < d; ++e) {
-    uint32_t bits = static_cast<uint32_t>(q[e]) << 16;
-    std::memcpy(&x[e], &bits, 4);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      const uint32_t bits = static_cast<uint32_t>(row[e]) << 16;
+      std::memcpy(&x[e], &bits, 4);
+    } else {
+      x[e] = static_cast<float>(row[e]);
+    }
     mx = std::max(mx, std::fabs(x[e]));
   }
   const float inv = mx > 0.f ? 127.f / mx : 0.f;
   int32_t total = 0;
   for (int64_t e = 0; e < d; ++e) {
     const int v = static_cast<int>(std::nearbyint(x[e] * inv));
-    q8[e] = static_cast<int8_t>(v);
+    q[e] = static_cast<Q>(v);
     total += v;
   }
-  sum = total;
+  if (sum) *sum = total;
   return mx * kInv127;
 }
 
@@ -614,7 +620,7 @@ inline bool keys_paired(at::ScalarType q, at::ScalarType cache, int64_t d, int64
 // whether attend() reads an int8 cache (MII_ATTN_Q8) of head size d under queries of type q
 inline bool q8_cache(at::ScalarType q, int64_t d, int64_t block_size) {
 #ifdef MII_ATTN_Q8
-  return q == at::kBFloat16 && (d == 64 || d == 128) && block_size % 16 == 0;
+  return q == at::kBFloat16 && (d == 64 || d == 128) && keys_paired(block_size);
 #else
   return false;
 #endif
@@ -663,7 +669,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kQueryTile, kMaxRows / group));
 #ifdef MII_AMX
   // prompt tiles: scores_amx, values_amx
-  const bool amx = in_place && !Q8 && block_size % 16 == 0 && mii_vec::amx_usable();
+  const bool amx = paired && !Q8 && mii_vec::amx_usable();
 #endif
   const int64_t B = block_size, part_blocks = std::max<int64_t>(1, kSplitKeys / B);
   // work items: (sequence, kv head, query tile, part of the keys); parts only for decode rows
@@ -767,7 +773,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           }
 #ifdef MII_ATTN_Q8
           if constexpr (Q8)
-            qscale[r] = fscale * quantize_row(reinterpret_cast<const uint16_t*>(qrow[r]), d, &q8[r * d], qsum[r]);
+            qscale[r] = fscale * quantize(reinterpret_cast<const uint16_t*>(qrow[r]), d, &q8[r * d], &qsum[r]);
 #endif
           qpos[r] = pos;
           m[r] = kNegBig;
@@ -812,6 +818,13 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         // next one, all at once, while this one is computed
         const C* later_k = nullptr;
         const C* later_v = nullptr;
+        auto prefetch_rest = [&](int64_t a, int64_t b) {  // the later block's lines outside elements [a, b)
+          for (const auto [from, to] : {std::pair<int64_t, int64_t>(0, a), {b, head_block}})
+            for (int64_t e = from; e < to; e += 64 / sizeof(C)) {
+              __builtin_prefetch(later_k + e, 0, 2);
+              __builtin_prefetch(later_v + e, 0, 2);
+            }
+        };
         if (in_place) {
           int64_t later = -1;
           if (k + 2 < at.blocks) {
@@ -859,14 +872,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
               else values_rows<128, int8_t>(acc, sc, B, vr, rows, lo_j, hi_j, later_k, later_v);
             }
           }
-          if (later_k) {  // the lines the values pass did not prefetch, the scales' among them
-            const int64_t a = hi_j > lo_j ? lo_j * d : 0, b = hi_j > lo_j ? hi_j * d : 0;
-            for (const auto [from, to] : {std::pair<int64_t, int64_t>(0, a), {b, head_block}})
-              for (int64_t e = from; e < to; e += 64) {
-                __builtin_prefetch(later_k + e, 0, 2);
-                __builtin_prefetch(later_v + e, 0, 2);
-              }
-          }
+          if (later_k)  // the lines the values pass did not prefetch, the scales' among them
+            hi_j > lo_j ? prefetch_rest(lo_j * d, hi_j * d) : prefetch_rest(0, 0);
           continue;
         }
 #endif
@@ -938,12 +945,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
             // the lines the values pass did not prefetch (values_amx: none)
             if (later_k && (tiles_amx || hi_j <= lo_j || hi_j - lo_j < B)) {
               const bool some = !tiles_amx && hi_j > lo_j;
-              const int64_t a = some ? lo_j * d : 0, b = some ? hi_j * d : 0;  // (elements)
-              for (const auto [from, to] : {std::pair<int64_t, int64_t>(0, a), {b, B * d}})
-                for (int64_t e = from; e < to; e += 64 / sizeof(C)) {
-                  __builtin_prefetch(later_k + e, 0, 2);
-                  __builtin_prefetch(later_v + e, 0, 2);
-                }
+              some ? prefetch_rest(lo_j * d, hi_j * d) : prefetch_rest(0, 0);
             }
             continue;
           }
@@ -1078,21 +1080,12 @@ void write_cache_q8(const at::Tensor& src, at::Tensor& cache, const int64_t* slo
   const T* x = src.data_ptr<T>();
   int8_t* c = cache.data_ptr<int8_t>();
   const int64_t kvh = cache.size(1), B = cache.size(2), d = cache.size(3) - 4, stride = src.stride(0);
-  float f[128];
   int q[128];
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t hh = 0; hh < kvh; ++hh) {
-      const T* row = x + t * stride + hh * d;
-      float mx = 0.f;
-      for (int64_t e = 0; e < d; ++e) {
-        f[e] = static_cast<float>(row[e]);
-        mx = std::max(mx, std::fabs(f[e]));
-      }
-      const float inv = mx > 0.f ? 127.f / mx : 0.f;
-      for (int64_t e = 0; e < d; ++e) q[e] = static_cast<int>(std::nearbyint(f[e] * inv));
       int8_t* run = c + (slots[t] / B * kvh + hh) * B * (d + 4);
       const int64_t o = slots[t] % B;
-      reinterpret_cast<float*>(run + B * d)[o] = mx * kInv127;
+      reinterpret_cast<float*>(run + B * d)[o] = quantize(x + t * stride + hh * d, d, q);
       if (keys) {
         uint8_t* g = reinterpret_cast<uint8_t*>(run) + (o / 16 * (d / 4)) * 64 + (o % 16) * 4;
         for (int64_t i = 0; i < d / 4; ++i)
