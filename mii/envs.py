@@ -49,6 +49,14 @@ def kernels_disabled() -> bool:
     return os.environ.get("MII_KERNELS", "1") == "0"
 
 
+def quant_tiles_bf16() -> bool:
+    """MII_QUANT_TILES=bf16 (opt-in): where int4/int8 linears of 9+ bf16 rows take AMX tiles, the tiles hold the
+    weights rounded to bf16 (a bf16 model's precision) instead of their exact integers scaled per group: W64 ~20%
+    faster on the embedded model, outputs close to, not the same as, the exact weights'. Read per call by the
+    kernels (`bf16_tiles_chosen` in quant_cpu.cpp), and here for the plan."""
+    return os.environ.get("MII_QUANT_TILES", "") == "bf16"
+
+
 def amx_disabled() -> bool:
     """MII_AMX=0 keeps the CPU kernels off AMX tiles (the AVX-512 path for every row count); read per call by the
     kernels themselves (`mii_vec::amx_usable`), and here for the plan."""

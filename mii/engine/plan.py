@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mii.config import ModelConfig
-from mii.envs import amx_disabled, cpu_flags, kernels_disabled, ranks_on_this_host
+from mii.envs import amx_disabled, cpu_flags, kernels_disabled, quant_tiles_bf16, ranks_on_this_host
 from mii.errors import KVCacheError, ValidationError
 
 log = logging.getLogger("mii")
@@ -119,8 +119,10 @@ class EnginePlan:
             return ""
         if amx_disabled():
             return "AMX off (MII_AMX=0): vdpbf16ps for every row count"
-        return ("AMX tiles (tdpbf16ps) for the linears of prompt chunks and batches (bf16 weights from 5 rows, "
-                "int4/int8 weights from 9) and for prompt chunks' attention (MII_AMX=0 turns them off)")
+        tiles = ("int4/int8 weights from 9, rounded to bf16 in the tiles: MII_QUANT_TILES=bf16" if quant_tiles_bf16()
+                 else "int4/int8 weights from 9")
+        return (f"AMX tiles (tdpbf16ps) for the linears of prompt chunks and batches (bf16 weights from 5 rows, {tiles}) "
+                "and for prompt chunks' attention (MII_AMX=0 turns them off)")
 
 
 def _size(n: int) -> str:

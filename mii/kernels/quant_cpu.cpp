@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -819,8 +820,50 @@ struct HeaderPerm {
   }
 };
 
-// the 16 rows of pairs p0 .. p0+7 (those past L.pairs are zero) -> tile t
-void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const Tiles& T, int64_t t) {
+#if defined(MII_QBF16) && defined(MII_AMX)
+// MII_QUANT_TILES=bf16 (opt-in, read per call as MII_AMX is): the AMX path multiplies the weights rounded to bf16
+// (amx_rounded) rather than their exact integers with a scaling per group (amx_tiles)
+inline bool bf16_tiles_chosen() {
+  const char* v = std::getenv("MII_QUANT_TILES");
+  return v && std::strcmp(v, "bf16") == 0;
+}
+
+// 16-bit element indexes that interleave two vectors' halves into pairs (round_weights)
+struct RoundPerm {
+  alignas(64) uint16_t idx[32];
+  RoundPerm() {
+    for (int e = 0; e < 32; ++e) idx[e] = static_cast<uint16_t>(e / 2 + (e % 2) * 16);
+  }
+};
+
+// a chunk's 16 unpacked vectors (bf16 bits of q, or of 128 + q for int4) -> the bf16 of each weight s q + m (int4)
+// or s q (int8), computed as mii/layers/quant.py's dequantize computes it (s q rounded, then + m, in fp32), then
+// rounded to nearest even: the AMX path's weights (amx_rounded)
+inline void round_weights(__m512i* out, __m512 sv, __m512 mv, bool int4) {
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // (explicit rounding: never a fused multiply-add)
+  static const RoundPerm P;
+  const __m512i order = _mm512_load_si512(P.idx);
+  const __m512 off = _mm512_set1_ps(int4 ? 128.f : 0.f);
+  for (int i = 0; i < 16; ++i) {
+    const __m512i v = _mm512_load_si512(out + i);
+    __m512 lo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), off);
+    __m512 hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xFFFF0000)))), off);
+    lo = _mm512_mul_round_ps(lo, sv, R);
+    hi = _mm512_mul_round_ps(hi, sv, R);
+    if (int4) lo = _mm512_add_round_ps(lo, mv, R), hi = _mm512_add_round_ps(hi, mv, R);
+    // (to nearest even, both halves at once: lo's 16 then hi's, interleaved back into pairs; the instruction reads
+    // fp32 subnormals as zero, which fp16 scales and offsets times 4-8 bit integers never are)
+    const __m512i b = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    _mm512_store_si512(out + i, _mm512_permutexvar_epi16(order, b));
+  }
+}
+#endif
+
+// the 16 rows of pairs p0 .. p0+7 (those past L.pairs are zero) -> tile t: the weights' integers (int16, or bf16
+// under bf16 x) with their scales and offsets in sw / mw; `rounded` (AMX, MII_QUANT_TILES=bf16): the weights
+// themselves in bf16 (round_weights), no scales
+void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const Tiles& T, int64_t t,
+                 bool rounded = false) {
   const int64_t pair_bytes = L.groups * L.block, cpg = L.G / 32, np = std::min<int64_t>(8, L.pairs - p0);
   __m512i* tile = T.data + t * T.stride;
   for (int64_t g = 0; g < L.groups; ++g) {
@@ -840,6 +883,27 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
                        : _mm512_setzero_ps();
     // bf16 int4 tiles hold 128 + q (unpack_int4): s (128 + q) + (m - 128 s) = s q + m; m - 128 s is exact in fp32
     // while |m| is within 2^13 of 128 s (a file's groups: |m| ~ 8 s), else rounded at 2^-24 of 128 s
+#if defined(MII_QBF16) && defined(MII_AMX)
+    if (rounded) {
+      for (int64_t c = 0; c < cpg; ++c) {
+        __m512i* out = tile + (g * cpg + c) * 16;
+        if (L.int4) {
+          const uint8_t* src[8];
+          for (int p = 0; p < 8; ++p) src[p] = blk[p] ? blk[p] + 8 + c * 32 : nullptr;
+          unpack_int4(src, true, out);
+        } else {
+          __m512i r[16];
+          for (int n = 0; n < 16; ++n) {
+            const uint8_t* b = blk[n / 2];
+            r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, true) : _mm512_setzero_si512();
+          }
+          mii_vec::transpose16(r, out);
+        }
+        round_weights(out, sv, mv, L.int4);
+      }
+      continue;
+    }
+#endif
     if (bf16 && L.int4) mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_set1_ps(128.f), sv));
     _mm512_storeu_ps(T.sw + t * T.sstride + g * 16, sv);
     _mm512_storeu_ps(T.mw + t * T.sstride + g * 16, mv);
@@ -1095,6 +1159,60 @@ void amx_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
   }
 }
 
+// MII_QUANT_TILES=bf16: bf16 x against a task's nt tiles of weights already rounded to bf16 (unpack_tile's
+// `rounded`): one tile product per chunk of 32 inputs over the whole of K, stored once, where amx_tiles stores every
+// group's sums and scales them (at 256 rows its tile stores and scaling cost about what its products do). 32 rows
+// of x by 2 tiles a block (tiles 0-3 the sums, 4-5 x, 6-7 the weights); a last block of 16 rows takes one A tile (0
+// and 2 the sums). A row's sums are the same products in the same order whichever block it lands in. The price:
+// each weight rounded to bf16 (as a bf16 model's are), an error near 2^-9 / sqrt(K) of sum |x * w| where the exact
+// path's is fp32 summation's. 120 int4 linears of a step (AMX Xeon, 2 threads): 256 rows 81 -> 54 ms, 512 rows
+// 156 -> 96, 64 rows 26 -> 22; 9-16 rows ~1.5 ms slower (the rounding in the unpacking).
+void amx_rounded(const XPairs& X, int64_t M, int64_t K, const Tiles& T, int64_t nt, float* y, at::BFloat16* yb,
+                 int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
+  const int64_t chunks = K / 32, xstride = K / 2 * 4;
+  alignas(64) float part[4][256];  // C tile i: tile i / 2 of the pair, rows 16 (i % 2) ..
+  const int64_t Mp = (M + 15) / 16 * 16;
+  Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((Mp + 31) / 32) * chunks);
+  for (int64_t t0 = 0; t0 < nt; t0 += 2) {
+    const int tn = t0 + 1 < nt ? 2 : 1;
+    const __m512i* w0 = T.data + t0 * T.stride;
+    const __m512i* w1 = w0 + (tn == 2 ? T.stride : 0);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      const int32_t* x0 = &X.q[m0 * (K / 2)];
+      const bool two = Mp - m0 >= 32;
+      if (two) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const int32_t* x1 = x0 + 16 * (K / 2);
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          next.step();
+          mii_vec::amx_dots_2x2(x0 + ch * 16, x1 + ch * 16, xstride, w0 + ch * 16, w1 + ch * 16);
+        }
+        _tile_stored(1, part[1], 64);
+        _tile_stored(3, part[3], 64);
+      } else {
+        _tile_zero(0); _tile_zero(2);
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          next.step();
+          _tile_loadd(4, x0 + ch * 16, xstride);
+          _tile_loadd(6, w0 + ch * 16, 64);
+          _tile_loadd(7, w1 + ch * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+      }
+      _tile_stored(0, part[0], 64);
+      _tile_stored(2, part[2], 64);
+      for (int i = 0; i < 2 * tn; ++i) {
+        if (i % 2 && !two) continue;
+        const int64_t n = n0 + (t0 + i / 2) * 16;
+        const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+        for (int r = 0; r < 16 && m0 + 16 * (i % 2) + r < M; ++r)
+          store_sums(y, yb, (m0 + 16 * (i % 2) + r) * N + n, valid, _mm512_load_ps(part[i] + 16 * r));
+      }
+    }
+  }
+}
+
 // Up to 16 rows of x (a few decode streams, where amx_tiles would pad them to 32): one 16 x 16 C tile at a time, its
 // running sums in registers, group g + 1's tile product issued before group g's sums are scaled (C tiles 0 and 1,
 // A 2 and 3, B 4 and 5 alternate). The same products, sums and scaling order as amx_tiles: the same bits. A step's
@@ -1159,6 +1277,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
   XPairs X(x, L.G, act8 && L.int4);
 #if defined(MII_QBF16) && defined(MII_AMX)
   const bool amx = X.bf16 && mii_vec::amx_usable();
+  const bool rounded = amx && bf16_tiles_chosen();  // (MII_QUANT_TILES=bf16: amx_rounded)
   TORCH_CHECK(!yb || amx, "linear_quant: bf16 output is written by the AMX path only");
   if (amx) {  // whole tiles of 32 rows: the rows past M zero
     const int64_t Mp = (M + 31) / 32 * 32;
@@ -1189,16 +1308,22 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
     for (int64_t task = next_task.fetch_add(1, std::memory_order_relaxed), upcoming; task < tasks; task = upcoming) {
       upcoming = next_task.fetch_add(1, std::memory_order_relaxed);
       const int64_t t0 = task * per_task, nt = std::min(per_task, tiles - t0);
-      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
 #if defined(MII_QBF16) && defined(MII_AMX)
+      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, rounded);
       if (amx) {
         const int64_t p_next = upcoming * per_task * 8, pair_bytes = L.groups * L.block;
         const int64_t next_bytes =
             upcoming < tasks ? (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes : 0;
+        if (rounded) {
+          amx_rounded(X, M, K, T, nt, y, yb, N, t0 * 16, next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
+          continue;
+        }
         (M <= 16 ? amx_tiles16 : amx_tiles)(X, M, K, L, T, nt, y, yb, N, t0 * 16,
                                             next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
         continue;
       }
+#else
+      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
 #endif
 #ifdef MII_QBF16
       if (X.bf16) {

@@ -1,8 +1,9 @@
 """Quantized weights on the embedded SmolLM2 (its GGUF: Q4_1 linears, Q8_0 tied embedding): perplexity on a fixed
 English text (tests/data/english.txt) and greedy answers to chat questions, dequantized bf16 weights
 (quantization="none") against int8 (quantized at load), int4 (the file's own blocks, the default), int4 with
-int8 activations (quantize_activations) and int4 with an int8 KV cache (kv_cache_dtype="int8", where the CPU has
-its kernel), and the memory each really takes."""
+int8 activations (quantize_activations), int4 with an int8 KV cache (kv_cache_dtype="int8", where the CPU has
+its kernel) and int4 with MII_QUANT_TILES=bf16 (the AMX tiles' weights rounded to bf16, where the CPU has AMX), and
+the memory each really takes."""
 import json
 import math
 import subprocess
@@ -18,7 +19,7 @@ QUESTIONS = {"What is the capital of France? Answer in one sentence.": "Paris",
 # one process, the three one after the other (imports and tokenizer paid once): smallest first, so that memory
 # freed by one and reused by the next can only make the larger ones look smaller, against the memory check
 RUN = r"""
-import ctypes, gc, json, sys
+import ctypes, gc, json, os, sys
 import mii
 import mii.loading.loader
 from mii import kernels
@@ -32,10 +33,14 @@ source = mii.loading.resolve_source(None)  # what every load pays once (the toke
 tokenizer = mii.loading.loader.load_tokenizer(mii.loading.gguf_file.cached_folder(source.path, source.name))
 text, questions = open(sys.argv[1]).read(), json.loads(sys.argv[2])
 out = {}
-for q in ("auto", "act8", "kv8", "int8", "none"):
+for q in ("auto", "act8", "kv8", "tiles", "int8", "none"):
     before = rss()
+    if q == "tiles":
+        if "amx_bf16" not in mii.envs.cpu_flags():
+            continue
+        os.environ["MII_QUANT_TILES"] = "bf16"
     try:
-        pipe = mii.pipeline(quantization="auto" if q in ("act8", "kv8") else q, quantize_activations=q == "act8",
+        pipe = mii.pipeline(quantization="auto" if q in ("act8", "kv8", "tiles") else q, quantize_activations=q == "act8",
                             kv_cache_dtype="int8" if q == "kv8" else "auto", num_threads=1,
                             inference_engine_config={"state_manager": {
             "max_ragged_batch_size": 512, "memory_config": {"mode": "allocate", "size": 16}}})
@@ -49,7 +54,8 @@ for q in ("auto", "act8", "kv8", "int8", "none"):
     plan = pipe.engine_plan
     out[q] = {"nll": -sum(d["logprob"] for d in scored) / len(scored), "tokens": len(scored), "answers": answers,
               "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization, "activations": plan.activations,
-              "dtype": plan.dtype, "kv": plan.kv_dtype}
+              "dtype": plan.dtype, "kv": plan.kv_dtype, "amx": plan.amx()}
+    os.environ.pop("MII_QUANT_TILES", None)
     pipe.destroy()
     del pipe
     gc.collect()
@@ -83,6 +89,9 @@ def test_what_each_run_holds(runs):
     if "kv8" in runs:  # (where the CPU reads an int8 KV cache: AVX512-VNNI and AVX512-BF16)
         assert runs["kv8"]["kv"] == "int8" and runs["kv8"]["weights"] == runs["auto"]["weights"]
     assert all(r["kv"] != "int8" for q, r in runs.items() if q != "kv8")
+    if "tiles" in runs:  # (where the CPU has AMX)
+        assert runs["tiles"]["weights"] == runs["auto"]["weights"] and "MII_QUANT_TILES=bf16" in runs["tiles"]["amx"]
+    assert all("MII_QUANT_TILES" not in r["amx"] for q, r in runs.items() if q != "tiles")
 
 
 def test_perplexity(runs):
@@ -95,6 +104,8 @@ def test_perplexity(runs):
     assert abs(ppl["act8"] / ppl["none"] - 1) < 0.05 and runs["act8"]["nll"] != runs["auto"]["nll"], ppl
     if "kv8" in runs:  # an int8 KV cache under the default weights: within 2% of their perplexity (0.7% measured)
         assert abs(ppl["kv8"] / ppl["auto"] - 1) < 0.02 and runs["kv8"]["nll"] != runs["auto"]["nll"], ppl
+    if "tiles" in runs:  # the AMX tiles' weights rounded to bf16: within 2% of the exact weights' perplexity
+        assert abs(ppl["tiles"] / ppl["auto"] - 1) < 0.02 and runs["tiles"]["nll"] != runs["auto"]["nll"], ppl
 
 
 def test_answers_still_right(runs):

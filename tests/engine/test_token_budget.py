@@ -44,10 +44,12 @@ def test_gpu_and_explicit_values(monkeypatch):
 
 def test_the_plan_says_where_amx_runs(monkeypatch):
     """The plan's "matrix units" row: present only for bf16 math through the CPU kernels on a CPU with AMX, and
-    what MII_AMX=0 makes of it."""
+    what MII_QUANT_TILES=bf16 and MII_AMX=0 make of it."""
     monkeypatch.setattr(plan_mod, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
     plan = EnginePlan(device="cpu", dtype="bfloat16", num_threads=1, attention="kernel")
-    assert "tdpbf16ps" in plan.amx() and "matrix units" in plan.describe()
+    assert "tdpbf16ps" in plan.amx() and "matrix units" in plan.describe() and "bf16 in the tiles" not in plan.amx()
+    monkeypatch.setenv("MII_QUANT_TILES", "bf16")
+    assert "rounded to bf16 in the tiles: MII_QUANT_TILES=bf16" in plan.amx()
     monkeypatch.setenv("MII_AMX", "0")
     assert plan.amx().startswith("AMX off")
     for other in (dict(dtype="float32", attention="kernel"), dict(dtype="bfloat16", attention="torch")):

@@ -202,6 +202,48 @@ def test_bf16_rows_in_and_out_round_as_torch():
             assert torch.equal(out, quant_linear(x.float(), w, None, act8).bfloat16())
 
 
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None)])
+def test_bf16_tiles_multiply_the_weights_rounded_to_bf16(scheme, group, monkeypatch):
+    """MII_QUANT_TILES=bf16 (opt-in): where bf16 rows from 9 on take AMX tiles, the tiles hold the weights rounded
+    to bf16 (as a bf16 model's are), so each output is x @ bf16(W).T to fp32 summation and the output's rounding, and
+    measurably not the exact weights' product (rows whose products cancel, as in the exact test above). A row's
+    result does not depend on the rows beside it; decode rows (1-8), MII_AMX=0 and CPUs without AMX ignore it."""
+    kernels.load_cpu_kernels()
+    g = torch.Generator().manual_seed(31)
+    n, k = 80, 576
+    if scheme == "int4":  # weights centred on 0 and x >= 0: the sums cancel
+        q = torch.randint(0, 16, (n, k), generator=g)
+        scale = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half().float()
+        w = pack_int4(q, scale, -7.5 * scale)
+    else:
+        w = _weight(n, k, scheme, group, g)
+    x = torch.randn(70, k, generator=g).abs().bfloat16()
+    wd = dequantize(w).double()
+    exact = quant_linear(x, w, None)
+    decode = {m: quant_linear(x[:m], w, None) for m in (1, 5, 8)}
+    monkeypatch.setenv("MII_QUANT_TILES", "bf16")
+    out = quant_linear(x, w, None)
+    for m, rows in decode.items():  # the decode kernels: exact weights either way
+        assert torch.equal(quant_linear(x[:m], w, None), rows), m
+    if "amx_bf16" not in cpu_flags():
+        assert torch.equal(out, exact)
+        return
+    magnitude = x.double().abs() @ wd.abs().T
+    rounded = x.double() @ wd.bfloat16().double().T
+    err = (out.double() - rounded).abs()
+    bound = 2 ** -8 * rounded.abs() + 2 ** -16 * magnitude
+    assert (err <= bound).all(), f"max error {err.max():.3g} where the bound is {bound[err > bound].min():.3g}"
+    assert ((out.double() - x.double() @ wd.T).abs() > 2 ** -16 * magnitude).any()  # not the exact weights
+    assert not torch.equal(out, exact)
+    for m in (9, 15, 16, 17, 33):  # blocks of 16 and 32 rows
+        assert torch.equal(quant_linear(x[:m], w, None), out[:m]), m
+    monkeypatch.setenv("MII_AMX", "0")
+    monkeypatch.delenv("MII_QUANT_TILES")
+    off = quant_linear(x, w, None)
+    monkeypatch.setenv("MII_QUANT_TILES", "bf16")
+    assert torch.equal(quant_linear(x, w, None), off)
+
+
 @pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None)])
 def test_rows_are_the_dequantized_rows(scheme, group):
     """mii::quant_rows (the embedding lookup of a tied, quantized LM head): bit for bit the rows of the Python
