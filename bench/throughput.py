@@ -152,14 +152,21 @@ def load_resident(dtype: str, threads: int, q: str, act8: bool, kv: str = "auto"
 
 def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
     """W64 and single stream of the embedded model as int4 (its GGUF's blocks), int4 with int8 activations
-    (quantize_activations), int4 with an int8 KV cache (kv_cache_dtype, where this CPU's kernel reads one), int8 and
-    bf16, one after the other in this process; the resident memory each load adds, each in a fresh process."""
+    (quantize_activations), int4 with an int8 KV cache (kv_cache_dtype, where this CPU's kernel reads one), int4
+    with MII_QUANT_TILES=bf16 (where this CPU has AMX), int8 and bf16, one after the other in this process; the
+    resident memory each load adds, each in a fresh process."""
+    from mii.envs import cpu_flags
     from mii.errors import ValidationError
 
     out = {}
     for q, act8, kv, label in (("auto", False, "auto", "int4"), ("auto", True, "auto", "int4 a8"),
-                               ("auto", False, "int8", "int4 kv8"), ("int8", False, "auto", "int8"),
-                               ("none", False, "auto", "bf16")):
+                               ("auto", False, "int8", "int4 kv8"), ("auto", False, "auto", "int4 bf16t"),
+                               ("int8", False, "auto", "int8"), ("none", False, "auto", "bf16")):
+        if label == "int4 bf16t":
+            if "amx_bf16" not in cpu_flags():
+                print(f"{'':<14} mii {label}: not on this machine (MII_QUANT_TILES=bf16 needs AMX)", flush=True)
+                continue
+            os.environ["MII_QUANT_TILES"] = "bf16"
         try:
             pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8,
                                 kv_cache_dtype=kv)
@@ -173,6 +180,7 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
         print(f"{'':<14} load added {r['rss_mb']:.0f} MB resident; weights "
               + ", ".join(f"{k} {v:.1f} MB" for k, v in r["weights_mb"].items()), flush=True)
         out[label] = r
+        os.environ.pop("MII_QUANT_TILES", None)
         pipe.destroy()
         del pipe
     return out
@@ -331,6 +339,11 @@ def main():
             print(f"  int4 kv8 vs int4 (int8 KV cache) W64 {i4['w64'] / x['w64']:.2f}x ({x['w64']:.1f} vs "
                   f"{i4['w64']:.1f} s), decode {x['decode'] / i4['decode']:.2f}x, "
                   f"pp512 {x['pp512'] / i4['pp512']:.2f}x")
+        if "int4 bf16t" in qr:
+            x, i4 = qr["int4 bf16t"], qr["int4"]
+            print(f"  int4 bf16t vs int4 (MII_QUANT_TILES=bf16) W64 {i4['w64'] / x['w64']:.2f}x ({x['w64']:.1f} vs "
+                  f"{i4['w64']:.1f} s), pp512 {x['pp512'] / i4['pp512']:.2f}x, time to first token "
+                  f"{x['ttft'] * 1e3:.0f} vs {i4['ttft'] * 1e3:.0f} ms, decode {x['decode'] / i4['decode']:.2f}x")
     print(f"  single-stream decode      {r['decode']:7.1f} tok/s = {r['decode'] / bw_floor:5.1%} of the weight-bandwidth "
           f"floor ({bw_floor:.0f} tok/s)")
     if llama:
