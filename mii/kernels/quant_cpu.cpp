@@ -883,44 +883,28 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
                        : _mm512_setzero_ps();
     // bf16 int4 tiles hold 128 + q (unpack_int4): s (128 + q) + (m - 128 s) = s q + m; m - 128 s is exact in fp32
     // while |m| is within 2^13 of 128 s (a file's groups: |m| ~ 8 s), else rounded at 2^-24 of 128 s
-#if defined(MII_QBF16) && defined(MII_AMX)
-    if (rounded) {
-      for (int64_t c = 0; c < cpg; ++c) {
-        __m512i* out = tile + (g * cpg + c) * 16;
-        if (L.int4) {
-          const uint8_t* src[8];
-          for (int p = 0; p < 8; ++p) src[p] = blk[p] ? blk[p] + 8 + c * 32 : nullptr;
-          unpack_int4(src, true, out);
-        } else {
-          __m512i r[16];
-          for (int n = 0; n < 16; ++n) {
-            const uint8_t* b = blk[n / 2];
-            r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, true) : _mm512_setzero_si512();
-          }
-          mii_vec::transpose16(r, out);
-        }
-        round_weights(out, sv, mv, L.int4);
-      }
-      continue;
+    if (!rounded) {
+      if (bf16 && L.int4) mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_set1_ps(128.f), sv));
+      _mm512_storeu_ps(T.sw + t * T.sstride + g * 16, sv);
+      _mm512_storeu_ps(T.mw + t * T.sstride + g * 16, mv);
     }
-#endif
-    if (bf16 && L.int4) mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_set1_ps(128.f), sv));
-    _mm512_storeu_ps(T.sw + t * T.sstride + g * 16, sv);
-    _mm512_storeu_ps(T.mw + t * T.sstride + g * 16, mv);
     for (int64_t c = 0; c < cpg; ++c) {
       __m512i* out = tile + (g * cpg + c) * 16;
       if (L.int4) {
         const uint8_t* src[8];
         for (int p = 0; p < 8; ++p) src[p] = blk[p] ? blk[p] + 8 + c * 32 : nullptr;
         unpack_int4(src, bf16, out);
-        continue;
+      } else {
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n) {
+          const uint8_t* b = blk[n / 2];
+          r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, bf16) : _mm512_setzero_si512();
+        }
+        mii_vec::transpose16(r, out);
       }
-      __m512i r[16];
-      for (int n = 0; n < 16; ++n) {
-        const uint8_t* b = blk[n / 2];
-        r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, bf16) : _mm512_setzero_si512();
-      }
-      mii_vec::transpose16(r, out);
+#if defined(MII_QBF16) && defined(MII_AMX)
+      if (rounded) round_weights(out, sv, mv, L.int4);  // (bf16 is true: the AMX path)
+#endif
     }
   }
 }
