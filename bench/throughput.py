@@ -162,6 +162,7 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
     for q, act8, kv, label in (("auto", False, "auto", "int4"), ("auto", True, "auto", "int4 a8"),
                                ("auto", False, "int8", "int4 kv8"), ("auto", False, "auto", "int4 bf16t"),
                                ("int8", False, "auto", "int8"), ("none", False, "auto", "bf16")):
+        os.environ.pop("MII_QUANT_TILES", None)  # (set for its own row only)
         if label == "int4 bf16t":
             if "amx_bf16" not in cpu_flags():
                 print(f"{'':<14} mii {label}: not on this machine (MII_QUANT_TILES=bf16 needs AMX)", flush=True)
@@ -180,9 +181,9 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
         print(f"{'':<14} load added {r['rss_mb']:.0f} MB resident; weights "
               + ", ".join(f"{k} {v:.1f} MB" for k, v in r["weights_mb"].items()), flush=True)
         out[label] = r
-        os.environ.pop("MII_QUANT_TILES", None)
         pipe.destroy()
         del pipe
+    os.environ.pop("MII_QUANT_TILES", None)
     return out
 
 

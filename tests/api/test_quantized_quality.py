@@ -35,6 +35,7 @@ text, questions = open(sys.argv[1]).read(), json.loads(sys.argv[2])
 out = {}
 for q in ("auto", "act8", "kv8", "tiles", "int8", "none"):
     before = rss()
+    os.environ.pop("MII_QUANT_TILES", None)  # (set for its own run only)
     if q == "tiles":
         if "amx_bf16" not in mii.envs.cpu_flags():
             continue
@@ -55,11 +56,11 @@ for q in ("auto", "act8", "kv8", "tiles", "int8", "none"):
     out[q] = {"nll": -sum(d["logprob"] for d in scored) / len(scored), "tokens": len(scored), "answers": answers,
               "rss": grown, "weights": plan.weight_bytes, "plan": plan.quantization, "activations": plan.activations,
               "dtype": plan.dtype, "kv": plan.kv_dtype, "amx": plan.amx()}
-    os.environ.pop("MII_QUANT_TILES", None)
     pipe.destroy()
     del pipe
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
+os.environ.pop("MII_QUANT_TILES", None)
 print(json.dumps(out))
 """
 
