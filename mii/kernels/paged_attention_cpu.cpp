@@ -488,13 +488,25 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const E* k, con
 #endif
 
 #ifdef MII_AMX
-// A prompt tile with AMX (Intel Xeons with amx_bf16): the scores and the weighted values as tile products, 16 rows
-// (query tokens x heads, their queries copied once per item into qa, rows past the tile's zero) at a time.
-// Scores: qa's 16 rows x 32 values (an A tile) times the keys as pairs (keys_as_pairs: 16 of its rows are a B tile
-// as they lie), into 16 x 16 keys' fp32 sums, stored into the scores' rows. The same exact products as
-// scores_rows_bf16, summed in AMX's order.
+// A prompt tile with AMX (Intel Xeons with amx_bf16): a work item's rows (query tokens x the heads of a kv head, 16
+// to a tile, their queries copied once per item into qa, rows past the last tile's zero) against its keys a span
+// of kSpanKeys at a time (whole blocks; spans start at multiples of it from the sequence's first key, so that a
+// row's arithmetic does not depend on the rows beside it). Per span: every row's scores as tile products, then
+// each row's online softmax over the whole span 16 keys a vector (exp_neg), its weights as bf16 hi = p rounded and
+// lo = p - hi rounded (p to 2^-17, where bf16 alone would round each weight at 2^-9), then the weighted values as
+// tile products, each accumulator tile loaded and stored once per span. Per block of keys instead (session 27's
+// version), every row's softmax pass, its accumulators' rescaling and the accumulator tiles' round trip were paid
+// every 32 keys, and the prompt's attention ran at 0.1-0.2 TFLOP/s.
+constexpr int64_t kSpanKeys = 256;
+// keys per span for blocks of B keys: whole blocks, kSpanKeys or the one block
+inline int64_t span_keys(int64_t B) { return std::max<int64_t>(B, kSpanKeys / B * B); }
+
+// Scores: qa's 16 rows x 32 values (an A tile) times the keys as pairs (16 of a block's paired vectors are a B tile
+// as they lie), into 16 x 16 keys' fp32 sums, stored into sc's rows (`stride` floats apart). The same exact
+// products as scores_rows_bf16, summed in AMX's order.
 template <int D>
-inline void scores_amx(const uint16_t* qa, int64_t rtiles, const __m512i* kt, int64_t groups, float* sc, int64_t B) {
+inline void scores_amx(const uint16_t* qa, int64_t rtiles, const __m512i* kt, int64_t groups, float* sc,
+                       int64_t stride) {
   constexpr int P = D / 2;
   for (int64_t rt = 0; rt < rtiles; ++rt) {
     for (int64_t g = 0; g < groups; g += 2) {
@@ -510,64 +522,149 @@ inline void scores_amx(const uint16_t* qa, int64_t rtiles, const __m512i* kt, in
           _tile_dpbf16ps(1, 4, 7);
         }
       }
-      _tile_stored(0, sc + rt * 16 * B + 16 * g, B * 4);
-      if (two) _tile_stored(1, sc + rt * 16 * B + 16 * (g + 1), B * 4);
+      _tile_stored(0, sc + rt * 16 * stride + 16 * g, stride * 4);
+      if (two) _tile_stored(1, sc + rt * 16 * stride + 16 * (g + 1), stride * 4);
     }
   }
 }
 
-// Weighted values: acc (rows' running sums, permuted as above) += p (the rows' weights, fp32) times the block's
-// values, 32 keys at a time. The weights as two bf16 A tiles, hi = p rounded and lo = p - hi rounded (p to 2^-17,
-// where bf16 alone would round each weight at 2^-9), and the values as B tiles of key pairs built so that C tile
-// 2h's column u is value 32h + 2u and tile 2h + 1's value 32h + 2u + 1: the accumulators' own permutation, so the
-// running sums are loaded into tiles and stored back as they lie. Keys past nk (and their weights) are zero.
+// A row's weights over a span's keys [0, W) (W a multiple of 32) from its scores sr (unscaled): keys [first, last)
+// seen, exp(scale s - max) as hi and lo bf16 into ph and pl (zero elsewhere); the row's running maximum m and sum l
+// move on, and its accumulators (D floats) are rescaled where the maximum moved.
 template <int D>
-inline void values_amx(float* acc, const float* p, int64_t pstride, int64_t rows, const uint16_t* v, int64_t nk,
-                       uint16_t* pa, __m512i* vt) {
-  const int64_t rtiles = (rows + 15) / 16;
-  for (int64_t r = rows; r < rtiles * 16; ++r) {
-    std::memset(pa + r * 32, 0, 64);
-    std::memset(pa + (rtiles * 16 + r) * 32, 0, 64);
+inline void span_weights(const float* sr, int64_t W, int64_t first, int64_t last, float scale, float& m, float& l,
+                         float* acc, uint16_t* ph, uint16_t* pl) {
+  auto seen = [&](int64_t j) {  // lanes j .. j + 15 in [first, last)
+    const int64_t a = std::clamp<int64_t>(first - j, 0, 16), b = std::clamp<int64_t>(last - j, 0, 16);
+    return static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+  };
+  const int64_t from = first / 16 * 16;  // the chunks of 16 keys that hold seen ones: [from, last)
+  int64_t j = 0;
+  for (; j < from; j += 16) {  // none seen
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
+  }
+  if (last <= first) {
+    for (; j < W; j += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
+    }
+    return;
+  }
+  // the maximum of the raw sums (scale > 0), scaled once
+  __m512 mx = _mm512_set1_ps(kNegBig);
+  for (int64_t i = from; i < last; i += 16) {
+    if (i >= first && i + 16 <= last) {
+      mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + i));
+    } else {
+      const __mmask16 k = seen(i);
+      mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sr + i));
+    }
+  }
+  const float mnew = std::max(m, _mm512_reduce_max_ps(mx) * scale);
+  const __m512 sv = _mm512_set1_ps(scale), mv = _mm512_set1_ps(mnew);
+  __m512 sum = _mm512_setzero_ps();
+  auto weights = [&](int64_t i, __m512 p) {
+    sum = _mm512_add_ps(sum, p);
+    const __m256bh hi = _mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + i), (__m256i)hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(hi))));
+  };
+  for (; j < last; j += 16) {
+    if (j >= first && j + 16 <= last) {
+      weights(j, mii_vec::exp_neg(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sv, mv)));
+    } else {
+      const __mmask16 k = seen(j);
+      weights(j, _mm512_maskz_mov_ps(k, mii_vec::exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sr + j), sv, mv))));
+    }
+  }
+  for (; j < W; j += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
+  }
+  if (mnew > m) {
+    const float c = std::exp(m - mnew);
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int e = 0; e < D; e += 16) _mm512_storeu_ps(acc + e, _mm512_mul_ps(_mm512_loadu_ps(acc + e), cv));
+    l *= c;
+    m = mnew;
+  }
+  l += _mm512_reduce_add_ps(sum);
+}
+
+// One prompt item's keys [lo, hi) (its sequence's blocks `table`, kv head kvh) for its `rows` rows (queries qa,
+// positions qpos): acc, m, l as the generic loop keeps them (acc permuted as above). sc: [rtiles * 16, W] floats,
+// ph and pl: [rtiles * 16, W] bf16 each, vt: [W / 32][D / 16][16] vectors, W = span_keys(B) rounded up to 32.
+// The values' B tiles are key pairs built so that C tile 2h's column u is value 32h + 2u and tile 2h + 1's value
+// 32h + 2u + 1: the accumulators' own permutation, so the running sums are loaded into tiles and stored back as
+// they lie. Keys past the span's last (and their weights) are zero.
+template <int D>
+void prompt_item_amx(const uint16_t* qa, int64_t rows, const int64_t* qpos, int64_t window, const uint16_t* k_cache,
+                     const uint16_t* v_cache, const int32_t* table, int64_t n_kv, int64_t kvh, int64_t B, int64_t lo,
+                     int64_t hi, float scale, float* acc, float* m, float* l, float* sc, uint16_t* ph,
+                     uint16_t* pl, __m512i* vt) {
+  const int64_t S = span_keys(B), W = (S + 31) / 32 * 32, rtiles = (rows + 15) / 16;
+  auto block = [&](int64_t j) {  // the run of kv head kvh's rows in the block of key j
+    return (static_cast<int64_t>(table[j / B]) * n_kv + kvh) * B * D;
+  };
+  for (int64_t r = rows; r < rtiles * 16; ++r) {  // the last tile's rows past `rows`: no weights
+    std::fill(ph + r * W, ph + (r + 1) * W, uint16_t(0));
+    std::fill(pl + r * W, pl + (r + 1) * W, uint16_t(0));
   }
   const __m512i lo16 = _mm512_set1_epi32(0xFFFF), hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t j0 = 0; j0 < nk; j0 += 32) {
-    const int64_t kc = std::min<int64_t>(32, nk - j0);
-    for (int i = 0; i < 16; ++i) {  // key pair i: keys j0 + 2i and j0 + 2i + 1
-      const bool has_a = 2 * i < kc, has_b = 2 * i + 1 < kc;
-      for (int h = 0; h < D / 32; ++h) {
-        const __m512i a = has_a ? _mm512_loadu_si512(v + (j0 + 2 * i) * D + 32 * h) : _mm512_setzero_si512();
-        const __m512i b = has_b ? _mm512_loadu_si512(v + (j0 + 2 * i + 1) * D + 32 * h) : _mm512_setzero_si512();
-        vt[(2 * h) * 16 + i] = _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16));
-        vt[(2 * h + 1) * 16 + i] = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi16));
+  for (int64_t j0 = lo / S * S; j0 < hi; j0 += S) {
+    const int64_t nk = std::min(S, hi - j0), steps = (nk + 31) / 32;
+    for (int64_t b = 0; b < nk; b += B) {  // scores, a block at a time
+      const auto* kt = reinterpret_cast<const __m512i*>(k_cache + block(j0 + b));
+      scores_amx<D>(qa, rtiles, kt, (std::min(B, nk - b) + 15) / 16, sc + b, W);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, qpos[r] - window + 1 - j0) : 0;
+      const int64_t last = std::min<int64_t>(nk, qpos[r] + 1 - j0);
+      span_weights<D>(sc + r * W, steps * 32, first, last, scale, m[r], l[r], acc + r * D,
+                      ph + r * W, pl + r * W);
+    }
+    for (int64_t s = 0; s < steps; ++s) {  // the values as B tiles of key pairs, 32 keys a step
+      for (int i = 0; i < 16; ++i) {  // key pair i: keys a and a + 1 (one block: B is even)
+        const int64_t a = 32 * s + 2 * i;
+        const uint16_t* va = a < nk ? v_cache + block(j0 + a) + (j0 + a) % B * D : nullptr;
+        for (int h = 0; h < D / 32; ++h) {
+          const __m512i x = va ? _mm512_loadu_si512(va + 32 * h) : _mm512_setzero_si512();
+          const __m512i y = a + 1 < nk ? _mm512_loadu_si512(va + D + 32 * h) : _mm512_setzero_si512();
+          vt[(s * D / 16 + 2 * h) * 16 + i] = _mm512_or_si512(_mm512_and_si512(x, lo16), _mm512_slli_epi32(y, 16));
+          vt[(s * D / 16 + 2 * h + 1) * 16 + i] = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_and_si512(y, hi16));
+        }
       }
     }
-    const __mmask16 m0 = kc >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << kc) - 1);
-    const __mmask16 m1 = kc >= 32 ? __mmask16(0xFFFF) : kc <= 16 ? __mmask16(0) : __mmask16((1u << (kc - 16)) - 1);
-    for (int64_t r = 0; r < rows; ++r) {  // the rows' weights as hi and lo bf16 (rows past `rows` stay zero)
-      for (int half = 0; half < 2; ++half) {
-        const __m512 w = _mm512_maskz_loadu_ps(half ? m1 : m0, p + r * pstride + j0 + 16 * half);
-        const __m256i hi = mii_vec::bf16_round(w);
-        const __m512 rest = _mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + r * 32 + 16 * half), hi);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + (rtiles * 16 + r) * 32 + 16 * half),
-                            mii_vec::bf16_round(rest));
-      }
-    }
-    for (int64_t rt = 0; rt < rtiles; ++rt) {
-      _tile_loadd(4, pa + rt * 16 * 32, 64);
-      _tile_loadd(5, pa + (rtiles + rt) * 16 * 32, 64);
-      for (int c = 0; c < D / 16; c += 2) {
-        float* a0 = acc + rt * 16 * D + 16 * c;
+    for (int64_t rt = 0; rt < rtiles; ++rt) {  // acc += weights x values, 4 accumulator tiles (64 values) at a time
+      for (int c0 = 0; c0 < D / 16; c0 += 4) {
+        float* a0 = acc + rt * 16 * D + 16 * c0;
         _tile_loadd(0, a0, D * 4);
         _tile_loadd(1, a0 + 16, D * 4);
-        _tile_loadd(6, vt + c * 16, 64);
-        _tile_loadd(7, vt + (c + 1) * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(0, 5, 6);
-        _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(2, a0 + 32, D * 4);
+        _tile_loadd(3, a0 + 48, D * 4);
+        for (int64_t s = 0; s < steps; ++s) {
+          _tile_loadd(4, ph + rt * 16 * W + 32 * s, W * 2);
+          _tile_loadd(5, pl + rt * 16 * W + 32 * s, W * 2);
+          const __m512i* v = vt + (s * D / 16 + c0) * 16;
+          _tile_loadd(6, v, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(0, 5, 6);
+          _tile_loadd(7, v + 16, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(1, 5, 7);
+          _tile_loadd(6, v + 32, 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_loadd(7, v + 48, 64);
+          _tile_dpbf16ps(3, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
         _tile_stored(0, a0, D * 4);
         _tile_stored(1, a0 + 16, D * 4);
+        _tile_stored(2, a0 + 32, D * 4);
+        _tile_stored(3, a0 + 48, D * 4);
       }
     }
   }
@@ -728,10 +825,12 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     int64_t qpos[kMaxRows];
     const T* qrow[kMaxRows];
 #ifdef MII_AMX
-    // an AMX prompt tile's queries [rows, d] and weights (hi and lo bf16 [rows, 32] each), one block's values as
-    // B tiles of key pairs ([d / 16][16] vectors)
-    std::vector<uint16_t> qa(amx ? max_rows * d : 0), pa(amx ? 2 * max_rows * 32 : 0);
-    std::vector<__m512i> vt(amx ? d : 0);
+    // an AMX prompt item's queries [rows, d], scores [rows, W] and weights (hi and lo bf16 [rows, W] each), a
+    // span's values as B tiles of key pairs ([W / 32][d / 16][16] vectors): see prompt_item_amx
+    const int64_t W = (span_keys(B) + 31) / 32 * 32;
+    std::vector<uint16_t> qa(amx ? max_rows * d : 0), pa(amx ? 2 * max_rows * W : 0);
+    std::vector<float> sw(amx ? max_rows * W : 0);
+    std::vector<__m512i> vt(amx ? W / 32 * d : 0);
     if (amx) mii_vec::amx_configure();
 #endif
     // an int8 cache's rows: their queries quantized, the queries' sums and scales
@@ -793,9 +892,22 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
       constexpr bool tiles_amx = false;
 #endif
       const int32_t* table = tables + s * table_width;
+#ifdef MII_AMX
+      if (tiles_amx) {
+        const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
+        const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
+        uint16_t *ph = pa.data(), *pl = ph + max_rows * W;
+        if (d == 64)
+          prompt_item_amx<64>(qa.data(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
+                              sw.data(), ph, pl, vt.data());
+        else
+          prompt_item_amx<128>(qa.data(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
+                               sw.data(), ph, pl, vt.data());
+      }
+#endif
       const int64_t first_block = lo / B + part * part_blocks;
       if (np > 1) hi = std::min(hi, (first_block + part_blocks) * B);  // this part's keys
-      for (int64_t k = 0, j0 = first_block * B; j0 < hi; ++k, j0 += B) {  // one KV block at a time (item's block k)
+      for (int64_t k = 0, j0 = first_block * B; j0 < hi && !tiles_amx; ++k, j0 += B) {  // one KV block at a time
         const int64_t base = (static_cast<int64_t>(table[first_block + k]) * n_kv + kvh) * head_block;
         const int64_t nk = std::min(B, hi - j0);
         auto visible = [&](int64_t r) {  // the keys j0 + j row r sees: j in [first, last)
@@ -906,13 +1018,6 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 const int64_t groups = (nk + 15) / 16;
                 const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
                 const auto* kt = reinterpret_cast<const __m512i*>(kr);
-#ifdef MII_AMX
-                if (tiles_amx) {
-                  const int64_t rtiles = (rows + 15) / 16;
-                  if (d == 64) scores_amx<64>(qa.data(), rtiles, kt, groups, sc, B);
-                  else scores_amx<128>(qa.data(), rtiles, kt, groups, sc, B);
-                } else
-#endif
                 if (d == 64) scores_tile_bf16<64>(qs, rows, kt, groups, fscale, sc, B);
                 else scores_tile_bf16<128>(qs, rows, kt, groups, fscale, sc, B);
               }
@@ -920,10 +1025,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 const auto [first, last] = tile_row(r);
                 if (last <= first) continue;
                 float* sr = sc + r * B;
-                if (tiled) {
-                  if (tiles_amx)  // (scores_rows_bf16 scales its sums as it stores them)
-                    for (int64_t j = first; j < last; ++j) sr[j] *= fscale;
-                } else {
+                if (!tiled) {
                   const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
                   if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
                   else scores_bf16<128>(qr, kr, first, last, fscale, sr);
@@ -931,22 +1033,14 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
                 lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
               }
-#ifdef MII_AMX
-              if (tiles_amx && hi_j > lo_j) {
-                if (d == 64) values_amx<64>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
-                else values_amx<128>(acc, sc, B, rows, vr, nk, pa.data(), vt.data());
-              } else
-#endif
               if (hi_j > lo_j) {
                 if (d == 64) values_rows<64>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
                 else values_rows<128>(acc, sc, B, vr, rows, lo_j, hi_j, pk, pv);
               }
             }
-            // the lines the values pass did not prefetch (values_amx: none)
-            if (later_k && (tiles_amx || hi_j <= lo_j || hi_j - lo_j < B)) {
-              const bool some = !tiles_amx && hi_j > lo_j;
-              some ? prefetch_rest(lo_j * d, hi_j * d) : prefetch_rest(0, 0);
-            }
+            // the lines the values pass did not prefetch
+            if (later_k && (hi_j <= lo_j || hi_j - lo_j < B))
+              hi_j > lo_j ? prefetch_rest(lo_j * d, hi_j * d) : prefetch_rest(0, 0);
             continue;
           }
         }

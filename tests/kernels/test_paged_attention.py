@@ -51,6 +51,8 @@ def test_head_sizes(dtype, tol, window, d):
 MIXED = [(40, 1), (5, 1), (31, 1), (0, 37), (70, 20), (32, 35), (10, 5), (0, 9), (44, 15)]
 # decode rows of 128+ keys: split into parts of 128 keys, each a work item, combined afterwards
 LONG = [(300, 1), (127, 1), (128, 1), (40, 1), (0, 20), (200, 3)]
+# prompt chunks whose keys cross AMX prompt tiles' spans of 256 keys (and a window across one: 300)
+SPANS = [(0, 300), (250, 40), (500, 20), (5, 1), (240, 33)]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -107,8 +109,8 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype, tol):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("window", [0, 7])
-@pytest.mark.parametrize("specs", [MIXED, LONG], ids=["mixed", "long"])
+@pytest.mark.parametrize("window", [0, 7, 300])
+@pytest.mark.parametrize("specs", [MIXED, LONG, SPANS], ids=["mixed", "long", "spans"])
 @pytest.mark.parametrize("amx", ["1", "0"])
 def test_bf16_rows_in_place_round_correctly(d, window, specs, amx, monkeypatch):
     """bf16 queries on a bf16 cache, the rows the kernel computes in place (decode rows and chunks under 16 tokens;
@@ -191,22 +193,26 @@ def test_traceable_by_torch_compile():
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (12, 12)])
-def test_amx_prompt_tiles_agree_with_vdpbf16ps(block_size, heads, monkeypatch):
+@pytest.mark.parametrize("window", [0, 100])
+def test_amx_prompt_tiles_agree_with_vdpbf16ps(block_size, heads, window, monkeypatch):
     """Where the CPU has AMX, a bf16 prompt chunk's tiles (rows = query tokens x the heads of a kv head, 16 at a
     time, partial tiles padded) multiply by tile products: the scores' exact products summed in AMX's order, the
-    weights as hi + lo bf16. Both paths agree closely, and within a path a row's bits do not depend on the rows
-    beside it (the chunk cut after a different token)."""
-    specs = [(0, 45), (40, 1), (13, 22), (64, 5)]
+    weights as hi + lo bf16, a span of 256 keys at a time. Both paths agree closely, and within a path a row's bits
+    do not depend on the rows beside it (the chunk cut after a different token: its tiles hold other rows), over one
+    span of keys or several."""
+    specs = [(0, 300), (40, 1), (13, 22), (64, 5)]
     out = {}
     for amx in ("1", "0"):
         monkeypatch.setenv("MII_AMX", amx)
-        out[amx], args = _check(torch.bfloat16, 2e-2, block_size, 0, heads, 64, specs)
+        out[amx], args = _check(torch.bfloat16, 2e-2, block_size, window, heads, 64, specs)
         q, k, v, k_cache, v_cache, slots, query_start, seq_lens, block_tables = args
-        # the first sequence's first 20 tokens alone (their keys are already in the cache): the same bits
-        alone = torch.ops.mii.paged_attention(q[:20], k[:20], v[:20], k_cache, v_cache, slots[:20],
-                                              torch.tensor([0, 20], dtype=torch.int32),
-                                              torch.tensor([20], dtype=torch.int32), block_tables[:1], 20, 64 ** -0.5, 0)
-        assert torch.equal(alone, out[amx][:20]), amx
+        # the first sequence's tokens [a, b) alone (their keys are already in the cache): the same bits
+        for a, b in ((0, 20), (270, 300), (9, 290)):
+            alone = torch.ops.mii.paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, slots[a:b],
+                                                  torch.tensor([0, b - a], dtype=torch.int32),
+                                                  torch.tensor([b], dtype=torch.int32), block_tables[:1], b - a,
+                                                  64 ** -0.5, window)
+            assert torch.equal(alone, out[amx][a:b]), (amx, a, b)
     torch.testing.assert_close(out["1"], out["0"], rtol=2 ** -7, atol=2 ** -9)
 
 
