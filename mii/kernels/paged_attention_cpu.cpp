@@ -826,12 +826,13 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     const T* qrow[kMaxRows];
 #ifdef MII_AMX
     // an AMX prompt item's queries [rows, d], scores [rows, W] and weights (hi and lo bf16 [rows, W] each), a
-    // span's values as B tiles of key pairs ([W / 32][d / 16][16] vectors): see prompt_item_amx
+    // span's values as B tiles of key pairs ([W / 32][d / 16][16] vectors): see prompt_item_amx. Made at the
+    // thread's first prompt item (~130 KB: a decode step's 30 calls would clear them for nothing), not cleared
+    // (each part is written before it is read), the tile unit configured then too.
     const int64_t W = (span_keys(B) + 31) / 32 * 32;
-    std::vector<uint16_t> qa(amx ? max_rows * d : 0), pa(amx ? 2 * max_rows * W : 0);
-    std::vector<float> sw(amx ? max_rows * W : 0);
-    std::vector<__m512i> vt(amx ? W / 32 * d : 0);
-    if (amx) mii_vec::amx_configure();
+    std::unique_ptr<uint16_t[]> qa, pa;
+    std::unique_ptr<float[]> sw;
+    std::unique_ptr<__m512i[]> vt;
 #endif
     // an int8 cache's rows: their queries quantized, the queries' sums and scales
     std::vector<int8_t> q8(Q8 ? max_rows * d : 0);
@@ -885,8 +886,13 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
 #ifdef MII_AMX
       const bool tiles_amx = amx && nq > 1;
       if (tiles_amx) {  // the rows' queries, contiguous for the A tiles; the rows up to a whole tile zero
+        if (!qa) {
+          qa.reset(new uint16_t[max_rows * d]), pa.reset(new uint16_t[2 * max_rows * W]);
+          sw.reset(new float[max_rows * W]), vt.reset(new __m512i[W / 32 * d]);
+          mii_vec::amx_configure();
+        }
         for (int64_t r = 0; r < rows; ++r) std::memcpy(&qa[r * d], qrow[r], d * 2);
-        std::fill(qa.begin() + rows * d, qa.begin() + (rows + 15) / 16 * 16 * d, uint16_t(0));
+        std::fill(&qa[rows * d], &qa[(rows + 15) / 16 * 16 * d], uint16_t(0));
       }
 #else
       constexpr bool tiles_amx = false;
@@ -896,13 +902,13 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
       if (tiles_amx) {
         const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
         const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
-        uint16_t *ph = pa.data(), *pl = ph + max_rows * W;
+        uint16_t *ph = pa.get(), *pl = ph + max_rows * W;
         if (d == 64)
-          prompt_item_amx<64>(qa.data(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
-                              sw.data(), ph, pl, vt.data());
+          prompt_item_amx<64>(qa.get(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
+                              sw.get(), ph, pl, vt.get());
         else
-          prompt_item_amx<128>(qa.data(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
-                               sw.data(), ph, pl, vt.data());
+          prompt_item_amx<128>(qa.get(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
+                               sw.get(), ph, pl, vt.get());
       }
 #endif
       const int64_t first_block = lo / B + part * part_blocks;
@@ -1102,7 +1108,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
       }
     }
 #ifdef MII_AMX
-    if (amx) _tile_release();
+    if (qa) _tile_release();
 #endif
   });
 }
