@@ -803,7 +803,9 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     const int64_t local = item - item_start[w.s], np = parts[w.s];
     w.ql = query_start[w.s + 1] - query_start[w.s];
     const int64_t tiles = (w.ql + tile - 1) / tile;
-    w.kvh = local / (tiles * np), w.t0 = (local / np % tiles) * tile, w.part = local % np;
+    // (a prompt's tiles last first: they see the most keys, and the threads' shares end together when the longest
+    // items are taken first)
+    w.kvh = local / (tiles * np), w.t0 = (tiles - 1 - local / np % tiles) * tile, w.part = local % np;
     const int64_t pos = seq_lens[w.s] - w.ql + w.t0;  // the tile's first query sees the earliest keys
     w.first_block = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) / B + w.part * part_blocks;
     int64_t end = pos + std::min(tile, w.ql - w.t0);  // past the tile's last query's keys
