@@ -500,6 +500,8 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const E* k, con
 constexpr int64_t kSpanKeys = 256;
 // keys per span for blocks of B keys: whole blocks, kSpanKeys or the one block
 inline int64_t span_keys(int64_t B) { return std::max<int64_t>(B, kSpanKeys / B * B); }
+// a span's width in its buffers: its keys rounded up to whole tile steps of 32
+inline int64_t span_width(int64_t B) { return (span_keys(B) + 31) / 32 * 32; }
 
 // Scores: qa's 16 rows x 32 values (an A tile) times the keys as pairs (16 of a block's paired vectors are a B tile
 // as they lie), into 16 x 16 keys' fp32 sums, stored into sc's rows (`stride` floats apart). The same exact
@@ -538,19 +540,15 @@ inline void span_weights(const float* sr, int64_t W, int64_t first, int64_t last
     const int64_t a = std::clamp<int64_t>(first - j, 0, 16), b = std::clamp<int64_t>(last - j, 0, 16);
     return static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
   };
-  const int64_t from = first / 16 * 16;  // the chunks of 16 keys that hold seen ones: [from, last)
-  int64_t j = 0;
-  for (; j < from; j += 16) {  // none seen
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
-  }
-  if (last <= first) {
-    for (; j < W; j += 16) {
+  auto zeros = [&](int64_t a, int64_t b) {  // no weights for keys [a, b) (whole chunks of 16)
+    for (int64_t j = a; j < b; j += 16) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
     }
-    return;
-  }
+  };
+  if (last <= first) return zeros(0, W);
+  const int64_t from = first / 16 * 16;  // the chunks of 16 keys that hold seen ones: [from, last)
+  zeros(0, from);
   // the maximum of the raw sums (scale > 0), scaled once
   __m512 mx = _mm512_set1_ps(kNegBig);
   for (int64_t i = from; i < last; i += 16) {
@@ -571,6 +569,7 @@ inline void span_weights(const float* sr, int64_t W, int64_t first, int64_t last
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + i),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(hi))));
   };
+  int64_t j = from;
   for (; j < last; j += 16) {
     if (j >= first && j + 16 <= last) {
       weights(j, mii_vec::exp_neg(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sv, mv)));
@@ -579,10 +578,7 @@ inline void span_weights(const float* sr, int64_t W, int64_t first, int64_t last
       weights(j, _mm512_maskz_mov_ps(k, mii_vec::exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sr + j), sv, mv))));
     }
   }
-  for (; j < W; j += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
-  }
+  zeros(j, W);
   if (mnew > m) {
     const float c = std::exp(m - mnew);
     const __m512 cv = _mm512_set1_ps(c);
@@ -595,7 +591,7 @@ inline void span_weights(const float* sr, int64_t W, int64_t first, int64_t last
 
 // One prompt item's keys [lo, hi) (its sequence's blocks `table`, kv head kvh) for its `rows` rows (queries qa,
 // positions qpos): acc, m, l as the generic loop keeps them (acc permuted as above). sc: [rtiles * 16, W] floats,
-// ph and pl: [rtiles * 16, W] bf16 each, vt: [W / 32][D / 16][16] vectors, W = span_keys(B) rounded up to 32.
+// ph and pl: [rtiles * 16, W] bf16 each, vt: [W / 32][D / 16][16] vectors, W = span_width(B).
 // The values' B tiles are key pairs built so that C tile 2h's column u is value 32h + 2u and tile 2h + 1's value
 // 32h + 2u + 1: the accumulators' own permutation, so the running sums are loaded into tiles and stored back as
 // they lie. Keys past the span's last (and their weights) are zero.
@@ -604,7 +600,7 @@ void prompt_item_amx(const uint16_t* qa, int64_t rows, const int64_t* qpos, int6
                      const uint16_t* v_cache, const int32_t* table, int64_t n_kv, int64_t kvh, int64_t B, int64_t lo,
                      int64_t hi, float scale, float* acc, float* m, float* l, float* sc, uint16_t* ph,
                      uint16_t* pl, __m512i* vt) {
-  const int64_t S = span_keys(B), W = (S + 31) / 32 * 32, rtiles = (rows + 15) / 16;
+  const int64_t S = span_keys(B), W = span_width(B), rtiles = (rows + 15) / 16;
   auto block = [&](int64_t j) {  // the run of kv head kvh's rows in the block of key j
     return (static_cast<int64_t>(table[j / B]) * n_kv + kvh) * B * D;
   };
@@ -831,7 +827,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     // span's values as B tiles of key pairs ([W / 32][d / 16][16] vectors): see prompt_item_amx. Made at the
     // thread's first prompt item (~130 KB: a decode step's 30 calls would clear them for nothing), not cleared
     // (each part is written before it is read), the tile unit configured then too.
-    const int64_t W = (span_keys(B) + 31) / 32 * 32;
+    const int64_t W = span_width(B);
     std::unique_ptr<uint16_t[]> qa, pa;
     std::unique_ptr<float[]> sw;
     std::unique_ptr<__m512i[]> vt;
@@ -885,23 +881,18 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
         lo = std::min(lo, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
         hi = std::max(hi, pos + 1);
       }
+      const int32_t* table = tables + s * table_width;
 #ifdef MII_AMX
-      const bool tiles_amx = amx && nq > 1;
-      if (tiles_amx) {  // the rows' queries, contiguous for the A tiles; the rows up to a whole tile zero
+      const bool tiles_amx = amx && nq > 1;  // (then the block loop below is skipped)
+      if (tiles_amx) {
         if (!qa) {
           qa.reset(new uint16_t[max_rows * d]), pa.reset(new uint16_t[2 * max_rows * W]);
           sw.reset(new float[max_rows * W]), vt.reset(new __m512i[W / 32 * d]);
           mii_vec::amx_configure();
         }
+        // the rows' queries, contiguous for the A tiles; the rows up to a whole tile zero
         for (int64_t r = 0; r < rows; ++r) std::memcpy(&qa[r * d], qrow[r], d * 2);
         std::fill(&qa[rows * d], &qa[(rows + 15) / 16 * 16 * d], uint16_t(0));
-      }
-#else
-      constexpr bool tiles_amx = false;
-#endif
-      const int32_t* table = tables + s * table_width;
-#ifdef MII_AMX
-      if (tiles_amx) {
         const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
         const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
         uint16_t *ph = pa.get(), *pl = ph + max_rows * W;
@@ -912,6 +903,8 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
           prompt_item_amx<128>(qa.get(), rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
                                sw.get(), ph, pl, vt.get());
       }
+#else
+      constexpr bool tiles_amx = false;
 #endif
       const int64_t first_block = lo / B + part * part_blocks;
       if (np > 1) hi = std::min(hi, (first_block + part_blocks) * B);  // this part's keys
