@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "MODEL is a Hugging Face folder, a hub id in the local cache or a .gguf file; with no MODEL, "
                     "the embedded\nSmolLM2-135M-Instruct is used.",
         epilog="examples:\n"
-               "  mii generate \"What is the capital of France?\"\n"
+               "  mii generate \"What is the capital of France? Answer in one sentence.\"\n"
                "  mii serve                                  # OpenAI API + REST on :8000, gRPC on :50050\n"
                "  mii serve ./my-model --port 8080 --replicas 2 --api-key secret\n"
                "  mii scale my-model-mii-deployment 3        # replicas of a running deployment\n"

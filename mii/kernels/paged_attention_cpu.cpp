@@ -13,7 +13,8 @@
 // fp16) under fp32 queries (the plan's KV dtype: half the bytes a step reads), widened once per block. bf16
 // queries on a bf16 cache, on CPUs with AVX512-BF16 and head sizes 64/128, read the blocks as they are (see
 // scores_bf16): decode attention of 64 sequences x ~400 keys 1.6-1.8x faster than through the widened copies,
-// and prompt chunks of every length too (faster there than ATen's SDPA: see kPromptChunk).
+// and prompt chunks of every length too (faster there than ATen's SDPA: see kPromptChunk), their keys a span of 256
+// at a time (prompt_item_bf16, or prompt_item_amx on CPUs with AMX).
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/arange.h>
@@ -157,6 +158,15 @@ inline void values(float* acc, const float* p, const float* v, int64_t stride, i
 // else on the accumulators is per value (the softmax's rescaling, combining a decode row's parts), so only writing
 // the output reads them through this map.
 inline int64_t acc_value(int64_t pos) { return (pos & ~int64_t(31)) + 2 * (pos & 15) + ((pos >> 4) & 1); }
+
+// Prompt items take their keys a span at a time (prompt_item_amx, prompt_item_bf16): kSpanKeys keys (whole blocks),
+// spans starting at multiples of it from the sequence's first key, so that a row's arithmetic does not depend on
+// the rows beside it
+constexpr int64_t kSpanKeys = 256;
+// keys per span for blocks of B keys: whole blocks, kSpanKeys or the one block
+inline int64_t span_keys(int64_t B) { return std::max<int64_t>(B, kSpanKeys / B * B); }
+// a span's width in its buffers: its keys rounded up to whole tile steps of 32
+inline int64_t span_width(int64_t B) { return (span_keys(B) + 31) / 32 * 32; }
 
 #if defined(MII_ATTN_AVX2) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define MII_ATTN_BF16 1
@@ -485,6 +495,111 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const E* k, con
   }
   values_rows<D, E>(acc, sc, stride, v, rows, first, last, pk, pv, rescale);
 }
+
+// acc rows 0 .. R-1 += sum_j p[r][j] v[j] over a span's keys [lo, hi) (p: [R][pstride] weights, zero where a row
+// does not see a key), the accumulators in registers over the whole span (each row's rescale[r] folded into their
+// load): the span's blocks `vb[j / B]` (D values a key)
+template <int D, int R>
+inline void values_span(float* acc, const float* p, int64_t pstride, const uint16_t* const* vb, int64_t B, int64_t lo,
+                        int64_t hi, const float* rescale) {
+  constexpr int C = D / 16;
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), _mm512_set1_ps(rescale[r]));
+  for (int64_t b0 = lo / B * B; b0 < hi; b0 += B) {
+    const uint16_t* v = vb[b0 / B];  // (key j's values at v + (j - b0) * D)
+    for (int64_t j = std::max(lo, b0), e = std::min(hi, b0 + B); j < e; ++j) {
+      __m512 vv[C];
+      for (int c = 0; c < C; c += 2) {
+        const __m512i x = _mm512_loadu_si512(v + (j - b0) * D + 16 * c);
+        vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r * pstride + j]);
+        for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vv[c], a[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
+}
+
+// A prompt item on a CPU with AVX512-BF16 (no AMX): its rows (query tokens x the heads of a kv head, queries q[r]
+// as they lie) against its keys [lo, hi) a span of kSpanKeys at a time, as prompt_item_amx takes them. Per span:
+// every row's scaled scores (scores_tile_bf16, a block at a time, into sc: [rows, W]), then each row's online
+// softmax over the whole span 16 keys a vector (exp_neg), its weights in place of its scores (zero where it sees no
+// key, across the keys any row sees), then the weighted values with each row block's accumulators in registers
+// over the span. Per block of 32 keys instead, every row's softmax pass (two reductions), its accumulators'
+// rescaling in memory and the values' accumulator round trip were paid every 32 keys.
+template <int D>
+void prompt_item_bf16(const uint16_t* const* q, int64_t rows, const int64_t* qpos, int64_t window,
+                      const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table, int64_t n_kv,
+                      int64_t kvh, int64_t B, int64_t lo, int64_t hi, float scale, float* acc, float* m, float* l,
+                      float* sc) {
+  const int64_t S = span_keys(B), W = span_width(B);
+  auto block = [&](int64_t j) {  // the run of kv head kvh's rows in the block of key j
+    return (static_cast<int64_t>(table[j / B]) * n_kv + kvh) * B * D;
+  };
+  const uint16_t* vb[kSpanKeys];  // the span's value blocks (one per block: B >= 1)
+  float rescale[kMaxRows];
+  int64_t first[kMaxRows], last[kMaxRows];
+  for (int64_t j0 = lo / S * S; j0 < hi; j0 += S) {
+    const int64_t nk = std::min(S, hi - j0);
+    for (int64_t b = 0; b < nk; b += B) {  // scores, a block at a time
+      const auto* kt = reinterpret_cast<const __m512i*>(k_cache + block(j0 + b));
+      scores_tile_bf16<D>(q, rows, kt, (std::min(B, nk - b) + 15) / 16, scale, sc + b, W);
+      vb[b / B] = v_cache + block(j0 + b);
+    }
+    int64_t lo_j = nk, hi_j = 0;  // the keys some row sees
+    for (int64_t r = 0; r < rows; ++r) {
+      first[r] = window > 0 ? std::clamp<int64_t>(qpos[r] - window + 1 - j0, 0, nk) : 0;
+      last[r] = std::clamp<int64_t>(qpos[r] + 1 - j0, 0, nk);
+      if (last[r] <= first[r]) first[r] = last[r] = 0;
+      else lo_j = std::min(lo_j, first[r]), hi_j = std::max(hi_j, last[r]);
+    }
+    if (hi_j <= lo_j) continue;
+    auto seen = [](int64_t j, int64_t a, int64_t b) {  // lanes j .. j + 15 in [a, b)
+      const int64_t x = std::clamp<int64_t>(a - j, 0, 16), y = std::clamp<int64_t>(b - j, 0, 16);
+      return static_cast<__mmask16>(((1u << y) - 1) & ~((1u << x) - 1));
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = sc + r * W;
+      const int64_t f = first[r], e = last[r];
+      rescale[r] = 1.f;
+      if (e <= f) {
+        std::fill(sr + lo_j, sr + hi_j, 0.f);
+        continue;
+      }
+      __m512 mx = _mm512_set1_ps(kNegBig);
+      for (int64_t j = f / 16 * 16; j < e; j += 16) {
+        const __mmask16 k = seen(j, f, e);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sr + j));
+      }
+      const float top = std::max(m[r], _mm512_reduce_max_ps(mx));
+      const __m512 tv = _mm512_set1_ps(top);
+      __m512 sum = _mm512_setzero_ps();
+      std::fill(sr + lo_j, sr + f, 0.f);
+      for (int64_t j = f / 16 * 16; j < e; j += 16) {
+        const __mmask16 k = seen(j, f, e);
+        const __m512 p = _mm512_maskz_mov_ps(k, mii_vec::exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + j), tv)));
+        _mm512_mask_storeu_ps(sr + j, k, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      std::fill(sr + e, sr + hi_j, 0.f);
+      rescale[r] = std::exp(m[r] - top);
+      l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+      m[r] = top;
+    }
+    constexpr int kRowsV = D == 64 ? 4 : 2;
+    int64_t r = 0;
+    for (; r + kRowsV <= rows; r += kRowsV)
+      values_span<D, kRowsV>(acc + r * D, sc + r * W, W, vb, B, lo_j, hi_j, rescale + r);
+    for (; r < rows; ++r) values_span<D, 1>(acc + r * D, sc + r * W, W, vb, B, lo_j, hi_j, rescale + r);
+  }
+}
 #endif
 
 #ifdef MII_AMX
@@ -497,11 +612,6 @@ inline void decode_block(const uint16_t* const* q, int64_t rows, const E* k, con
 // tile products, each accumulator tile loaded and stored once per span. Per block of keys instead (session 27's
 // version), every row's softmax pass, its accumulators' rescaling and the accumulator tiles' round trip were paid
 // every 32 keys, and the prompt's attention ran at 0.1-0.2 TFLOP/s.
-constexpr int64_t kSpanKeys = 256;
-// keys per span for blocks of B keys: whole blocks, kSpanKeys or the one block
-inline int64_t span_keys(int64_t B) { return std::max<int64_t>(B, kSpanKeys / B * B); }
-// a span's width in its buffers: its keys rounded up to whole tile steps of 32
-inline int64_t span_width(int64_t B) { return (span_keys(B) + 31) / 32 * 32; }
 
 // Scores: qa's 16 rows x 32 values (an A tile) times the keys as pairs (16 of a block's paired vectors are a B tile
 // as they lie), into 16 x 16 keys' fp32 sums, stored into sc's rows (`stride` floats apart). The same exact
@@ -832,6 +942,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
     std::unique_ptr<float[]> sw;
     std::unique_ptr<__m512i[]> vt;
 #endif
+    std::unique_ptr<float[]> ssc;  // a prompt item's span of scores and weights [rows, W] (prompt_item_bf16)
     // an int8 cache's rows: their queries quantized, the queries' sums and scales
     std::vector<int8_t> q8(Q8 ? max_rows * d : 0);
     std::vector<int32_t> qsum(Q8 ? max_rows : 0);
@@ -906,9 +1017,28 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
 #else
       constexpr bool tiles_amx = false;
 #endif
+      bool tiles_span = false;  // prompt_item_bf16 (then, too, the block loop below is skipped)
+#ifdef MII_ATTN_BF16
+      if constexpr (in_place_bf16_type<T, C>()) {
+        if (paired && nq > 1 && !tiles_amx) {
+          tiles_span = true;
+          if (!ssc) ssc.reset(new float[max_rows * span_width(B)]);
+          const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
+          const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
+          const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
+          if (d == 64)
+            prompt_item_bf16<64>(qs, rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
+                                 ssc.get());
+          else
+            prompt_item_bf16<128>(qs, rows, qpos, window, kc, vc, table, n_kv, kvh, B, lo, hi, fscale, acc, m, l,
+                                  ssc.get());
+        }
+      }
+#endif
       const int64_t first_block = lo / B + part * part_blocks;
       if (np > 1) hi = std::min(hi, (first_block + part_blocks) * B);  // this part's keys
-      for (int64_t k = 0, j0 = first_block * B; j0 < hi && !tiles_amx; ++k, j0 += B) {  // one KV block at a time
+      // one KV block at a time
+      for (int64_t k = 0, j0 = first_block * B; j0 < hi && !tiles_amx && !tiles_span; ++k, j0 += B) {
         const int64_t base = (static_cast<int64_t>(table[first_block + k]) * n_kv + kvh) * head_block;
         const int64_t nk = std::min(B, hi - j0);
         auto visible = [&](int64_t r) {  // the keys j0 + j row r sees: j in [first, last)

@@ -7,7 +7,7 @@ import torch
 import mii
 from tests.reference import compare_greedy, hf_greedy
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")

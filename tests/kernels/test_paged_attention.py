@@ -194,12 +194,13 @@ def test_traceable_by_torch_compile():
 @pytest.mark.parametrize("block_size", [16, 32, 48])  # 48: spans of 240 keys, their last tile step half empty
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (12, 12)])
 @pytest.mark.parametrize("window", [0, 100])
-def test_amx_prompt_tiles_agree_with_vdpbf16ps(block_size, heads, window, monkeypatch):
-    """Where the CPU has AMX, a bf16 prompt chunk's tiles (rows = query tokens x the heads of a kv head, 16 at a
-    time, partial tiles padded) multiply by tile products: the scores' exact products summed in AMX's order, the
-    weights as hi + lo bf16, a span of 256 keys at a time. Both paths agree closely, and within a path a row's bits
-    do not depend on the rows beside it (the chunk cut after a different token: its tiles hold other rows), over one
-    span of keys or several."""
+def test_prompt_spans_agree_and_rows_do_not_depend_on_their_tile(block_size, heads, window, monkeypatch):
+    """A bf16 prompt chunk's items (rows = query tokens x the heads of a kv head, 16 tokens at a time) take their
+    keys a span of 256 at a time: where the CPU has AMX by tile products (the scores' exact products summed in AMX's
+    order, the weights as hi + lo bf16, partial tiles padded), with MII_AMX=0 or without AMX by vdpbf16ps scores and
+    fp32 weights (prompt_item_bf16). Both paths agree closely, and within a path a row's bits do not depend on the
+    rows beside it (the chunk cut after a different token: its items hold other rows), over one span of keys or
+    several."""
     specs = [(0, 300), (40, 1), (13, 22), (64, 5)]
     out = {}
     for amx in ("1", "0"):

@@ -42,8 +42,9 @@ def test_serve_default_model_then_sigterm(tmp_path):
             time.sleep(0.2)
         assert statuses[-1] == 200 and 503 in statuses  # 503 while the model loads
 
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "stream": True,
-                "max_tokens": 32, "temperature": 0}
+        question = "What is the capital of France? Answer in one sentence."  # (tests/api/test_cli.py: QUESTION)
+        body = {"messages": [{"role": "user", "content": question}], "stream": True, "max_tokens": 32,
+                "temperature": 0}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
