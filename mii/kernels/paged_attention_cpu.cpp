@@ -368,6 +368,27 @@ inline void scores_tile_q8(const Q8Block& b, int64_t rows, const __m512i* kt, co
 }
 #endif
 
+// one key's 16 C bf16 values -> vv (fp32, in the accumulators' order: one shift and one mask per 32 values)
+template <int C>
+__attribute__((always_inline)) inline void widen_bf16(const uint16_t* v, __m512* vv) {
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < C; c += 2) {
+    const __m512i x = _mm512_loadu_si512(v + 16 * c);
+    vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+  }
+}
+
+// a[r] += p[r][j] * vv for R rows (the weights p[r * pstride + j])
+template <int R, int C>
+__attribute__((always_inline)) inline void add_weighted(__m512 (&a)[R][C], const __m512* vv, const float* p,
+                                                        int64_t pstride, int64_t j) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 pj = _mm512_set1_ps(p[r * pstride + j]);
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vv[c], a[r][c]);
+  }
+}
+
 // acc rows 0 .. R-1 (D floats each, permuted as above) += sum_j p[r][j] v[j] over keys [lo, hi) (p is zero where a
 // row does not see a key), each value widened once for the R rows. E: the values' type, bf16 (uint16_t) or int8
 // (an int8 cache's rows, stored in the accumulators' order: 16 bytes widen to 16 of its positions; p carries the
@@ -376,7 +397,6 @@ template <int D, int R, typename E = uint16_t>
 inline void values_bf16(float* acc, const float* p, int64_t pstride, const E* v, int64_t lo, int64_t hi,
                         const E* pk = nullptr, const E* pv = nullptr, const float* rescale = nullptr) {
   constexpr int C = D / 16;
-  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
@@ -396,16 +416,9 @@ inline void values_bf16(float* acc, const float* p, int64_t pstride, const E* v,
         vv[c] = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j * D + 16 * c))));
     } else {
-      for (int c = 0; c < C; c += 2) {
-        const __m512i x = _mm512_loadu_si512(v + j * D + 16 * c);
-        vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
-      }
+      widen_bf16<C>(reinterpret_cast<const uint16_t*>(v + j * D), vv);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r * pstride + j]);
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vv[c], a[r][c]);
-    }
+    add_weighted<R, C>(a, vv, p, pstride, j);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
@@ -503,7 +516,6 @@ template <int D, int R>
 inline void values_span(float* acc, const float* p, int64_t pstride, const uint16_t* const* vb, int64_t B, int64_t lo,
                         int64_t hi, const float* rescale) {
   constexpr int C = D / 16;
-  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
@@ -512,15 +524,8 @@ inline void values_span(float* acc, const float* p, int64_t pstride, const uint1
     const uint16_t* v = vb[b0 / B];  // (key j's values at v + (j - b0) * D)
     for (int64_t j = std::max(lo, b0), e = std::min(hi, b0 + B); j < e; ++j) {
       __m512 vv[C];
-      for (int c = 0; c < C; c += 2) {
-        const __m512i x = _mm512_loadu_si512(v + (j - b0) * D + 16 * c);
-        vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r * pstride + j]);
-        for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pj, vv[c], a[r][c]);
-      }
+      widen_bf16<C>(v + (j - b0) * D, vv);
+      add_weighted<R, C>(a, vv, p, pstride, j);
     }
   }
   for (int r = 0; r < R; ++r)
