@@ -1302,7 +1302,8 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
       const int64_t t0 = task * per_task, nt = std::min(per_task, tiles - t0);
       // the next task's weight bytes, brought into L2 over this task's blocks
       const int64_t p_next = upcoming * per_task * 8, pair_bytes = L.groups * L.block;
-      const int64_t next_bytes = upcoming < tasks ? (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes : 0;
+      const int64_t next_bytes =
+          upcoming < tasks ? (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes : 0;
 #if defined(MII_QBF16) && defined(MII_AMX)
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, rounded);
       if (amx) {
