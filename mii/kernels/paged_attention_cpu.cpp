@@ -1149,23 +1149,15 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
                 lo_j = first, hi_j = last;
               }
             } else {
-              const bool tiled = paired;  // a prompt tile: every row's scores at once, then masked
-              if (tiled) {
-                const int64_t groups = (nk + 15) / 16;
-                const auto* qs = reinterpret_cast<const uint16_t* const*>(qrow);
-                const auto* kt = reinterpret_cast<const __m512i*>(kr);
-                if (d == 64) scores_tile_bf16<64>(qs, rows, kt, groups, fscale, sc, B);
-                else scores_tile_bf16<128>(qs, rows, kt, groups, fscale, sc, B);
-              }
+              // a prompt tile on keys as rows (blocks of other than a multiple of 16 keys: paired keys take
+              // prompt_item_bf16 or prompt_item_amx above), each row's scores by dots16
               for (int64_t r = 0; r < rows; ++r) {
                 const auto [first, last] = tile_row(r);
                 if (last <= first) continue;
                 float* sr = sc + r * B;
-                if (!tiled) {
-                  const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
-                  if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
-                  else scores_bf16<128>(qr, kr, first, last, fscale, sr);
-                }
+                const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
+                if (d == 64) scores_bf16<64>(qr, kr, first, last, fscale, sr);
+                else scores_bf16<128>(qr, kr, first, last, fscale, sr);
                 softmax_step(sr, first, last, m[r], l[r], acc + r * d, d);
                 lo_j = std::min(lo_j, first), hi_j = std::max(hi_j, last);
               }

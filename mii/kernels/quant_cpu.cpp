@@ -1053,7 +1053,7 @@ inline void vnni_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, co
 // (ahead: the thread's next task's weight bytes, brought into L2 over this task's blocks, as bf16_tiles does)
 void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
                 int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
-  Ahead next(ahead, ahead_bytes, ((nt + kTilesX - 1) / kTilesX + nt % kTilesX) * ((M + kRowsX - 1) / kRowsX));
+  Ahead next(ahead, ahead_bytes, (nt / kTilesX + nt % kTilesX) * ((M + kRowsX - 1) / kRowsX));
   int64_t t = 0;
   for (; t + kTilesX <= nt; t += kTilesX) vnni_rows<kTilesX>(X, M, K, L, T, t, y, N, n0, next);
   for (; t < nt; ++t) vnni_rows<1>(X, M, K, L, T, t, y, N, n0, next);
@@ -1304,15 +1304,16 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
       const int64_t p_next = upcoming * per_task * 8, pair_bytes = L.groups * L.block;
       const int64_t next_bytes =
           upcoming < tasks ? (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes : 0;
+      const uint8_t* next_w = next_bytes ? w + p_next * pair_bytes : nullptr;
 #if defined(MII_QBF16) && defined(MII_AMX)
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, rounded);
       if (amx) {
         if (rounded) {
-          amx_rounded(X, M, K, T, nt, y, yb, N, t0 * 16, next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
+          amx_rounded(X, M, K, T, nt, y, yb, N, t0 * 16, next_w, next_bytes);
           continue;
         }
         (M <= 16 ? amx_tiles16 : amx_tiles)(X, M, K, L, T, nt, y, yb, N, t0 * 16,
-                                            next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
+                                            next_w, next_bytes);
         continue;
       }
 #else
@@ -1320,11 +1321,11 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
 #endif
 #ifdef MII_QBF16
       if (X.bf16) {
-        bf16_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
+        bf16_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
         continue;
       }
 #endif
-      vnni_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_bytes ? w + p_next * pair_bytes : nullptr, next_bytes);
+      vnni_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
     }
 #if defined(MII_QBF16) && defined(MII_AMX)
     if (amx) _tile_release();
