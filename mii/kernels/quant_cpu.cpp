@@ -31,6 +31,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -684,24 +685,46 @@ inline void dot(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpwssd %2, %1, 
 inline void dot(__m512& acc, __m512i w, __m512i x) { __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
 #endif
 
-// x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16
+// n elements of this thread's buffer `slot`, kept from call to call and not cleared: XPairs writes every element it
+// reads. Its arrays were vectors, zeroed as they were allocated: for a W64 prompt step's x, a serial memset of a few
+// MB a linear, 2.5% of W64's samples on a Zen 4 EPYC.
+template <typename V, int slot>
+V* reused(int64_t n) {
+  static thread_local std::vector<V> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16. One
+// XPairs a thread at a time (its arrays are the thread's reused buffers).
 struct XPairs {
-  bool bf16;                 // pairs of bf16 (x exact); otherwise of int16, rounded per chunk
-  std::vector<int32_t> q;    // [M, K/2]
-  std::vector<float> scale;  // [M, chunks]: int16 only
-  std::vector<float> gsum;   // [M, groups]: the sum of x (as multiplied) over each weight group, for int4's offsets
+  bool bf16;       // pairs of bf16 (x exact); otherwise of int16, rounded per chunk
+  int32_t* q;      // [rows, K/2]
+  float* scale;    // [M, chunks]: int16 only
+  float* gsum;     // [rows, groups]: the sum of x (as multiplied) over each weight group, for int4's offsets
   int64_t chunks, groups;
 
   static int32_t pair(uint16_t lo, uint16_t hi) {
     return static_cast<int32_t>(static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16));
   }
+  // whether x is multiplied as bf16 (vdpbf16ps: CPUs with AVX512-BF16, bf16 x, not act8)
+  static bool takes_bf16(const at::Tensor& x, bool act8) {
+#ifdef MII_QBF16
+    return x.scalar_type() == at::kBFloat16 && !act8;
+#else
+    return false;
+#endif
+  }
 
-  XPairs(const at::Tensor& x, int64_t G, bool act8) : bf16(x.scalar_type() == at::kBFloat16 && !act8) {
+  // rows >= M: the rows past M are zero (AMX's tiles of 32 rows)
+  XPairs(const at::Tensor& x, int64_t G, bool act8, int64_t rows) : bf16(takes_bf16(x, act8)) {
     const int64_t M = x.size(0), K = x.size(1), cpg = G / 32;
     chunks = K / 32, groups = K / G;
-    q.resize(M * K / 2);
-    gsum.assign(M * groups, 0.f);
-    if (!bf16) scale.resize(M * chunks);
+    q = reused<int32_t, 0>(rows * K / 2);
+    gsum = reused<float, 1>(rows * groups);
+    scale = bf16 ? nullptr : reused<float, 2>(M * chunks);
+    std::memset(static_cast<void*>(q + M * K / 2), 0, (rows - M) * (K / 2) * sizeof(int32_t));
+    std::fill(gsum, gsum + rows * groups, 0.f);
     const at::Tensor xf = bf16 ? x : x.to(at::kFloat).contiguous();
     at::parallel_for(0, M, 32, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) {
@@ -976,6 +999,14 @@ __attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K
   }
 }
 
+#ifdef MII_QBF16
+// a row's 16 sums into y (fp32) or yb (bf16, rounded to nearest even), the columns `valid` only
+inline void store_sums(float* y, at::BFloat16* yb, int64_t at, __mmask16 valid, __m512 v) {
+  if (yb) _mm256_mask_storeu_epi16(yb + at, valid, mii_vec::bf16_round(v));
+  else _mm512_mask_storeu_ps(y + at, valid, v);
+}
+#endif
+
 // `bytes` at p brought into L2 over `steps` calls of step(), a few lines each (amx_tiles, bf16_tiles, vnni_tiles:
 // the next task's weights, whose unpacking reads 8 places pair_bytes apart, which the hardware prefetcher does not
 // follow)
@@ -998,7 +1029,7 @@ struct Ahead {
 // rows); the same arithmetic in the same order, so the same results bit for bit.
 template <int MR, int NT>
 __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
-                                          int64_t t0, float* y, int64_t N, int64_t n0) {
+                                          int64_t t0, float* y, at::BFloat16* yb, int64_t N, int64_t n0) {
   const int64_t cpg = L.G / 32;
   const int32_t* xq[MR];
   const float* gs[MR];
@@ -1030,7 +1061,7 @@ __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K
   for (int t = 0; t < NT; ++t) {
     const int64_t n = n0 + (t0 + t) * 16;
     const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, acc[r][t]);
+    for (int r = 0; r < MR; ++r) store_sums(y, yb, (m0 + r) * N + n, valid, acc[r][t]);
   }
 }
 #endif
@@ -1066,32 +1097,24 @@ void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 // 20.2 → 18.0 ms, 32 rows 32.4 → 29.9, 64 rows 56.8 → 53.7, 128-256 rows 2% (7 of 7 pairs faster at 16 and 32)
 template <int NT>
 void bf16_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
-               int64_t N, int64_t n0, Ahead& next) {
+               at::BFloat16* yb, int64_t N, int64_t n0, Ahead& next) {
   mii_vec::by_fours_and_threes(M, [&](int64_t m, int R) {
     next.step();
     switch (R) {
-      case 4: bf16_block<4, NT>(X, m, K, L, T, t0, y, N, n0); break;
-      case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, N, n0); break;
-      case 2: bf16_block<2, NT>(X, m, K, L, T, t0, y, N, n0); break;
-      default: bf16_block<1, NT>(X, m, K, L, T, t0, y, N, n0);
+      case 4: bf16_block<4, NT>(X, m, K, L, T, t0, y, yb, N, n0); break;
+      case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, yb, N, n0); break;
+      case 2: bf16_block<2, NT>(X, m, K, L, T, t0, y, yb, N, n0); break;
+      default: bf16_block<1, NT>(X, m, K, L, T, t0, y, yb, N, n0);
     }
   });
 }
 
 void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
-                int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
+                at::BFloat16* yb, int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
   int64_t t = 0;
-  for (; t + 2 <= nt; t += 2) bf16_rows<2>(X, M, K, L, T, t, y, N, n0, next);
-  if (t < nt) bf16_rows<1>(X, M, K, L, T, t, y, N, n0, next);
-}
-#endif
-
-#if defined(MII_QBF16) && defined(MII_AMX)
-// a row's 16 sums into y (fp32) or yb (bf16, rounded to nearest even), the columns `valid` only
-inline void store_sums(float* y, at::BFloat16* yb, int64_t at, __mmask16 valid, __m512 v) {
-  if (yb) _mm256_mask_storeu_epi16(yb + at, valid, mii_vec::bf16_round(v));
-  else _mm512_mask_storeu_ps(y + at, valid, v);
+  for (; t + 2 <= nt; t += 2) bf16_rows<2>(X, M, K, L, T, t, y, yb, N, n0, next);
+  if (t < nt) bf16_rows<1>(X, M, K, L, T, t, y, yb, N, n0, next);
 }
 #endif
 
@@ -1266,17 +1289,14 @@ void amx_tiles16(const XPairs& X, int64_t M, int64_t K, const Layout& L, const T
 void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y, bool act8,
                at::BFloat16* yb = nullptr) {
   const int64_t M = x.size(0), N = L.N(), K = L.K();
-  XPairs X(x, L.G, act8 && L.int4);
 #if defined(MII_QBF16) && defined(MII_AMX)
-  const bool amx = X.bf16 && mii_vec::amx_usable();
+  const bool amx = XPairs::takes_bf16(x, act8 && L.int4) && mii_vec::amx_usable();
   const bool rounded = amx && bf16_tiles_chosen();  // (MII_QUANT_TILES=bf16: amx_rounded)
-  TORCH_CHECK(!yb || amx, "linear_quant: bf16 output is written by the AMX path only");
-  if (amx) {  // whole tiles of 32 rows: the rows past M zero
-    const int64_t Mp = (M + 31) / 32 * 32;
-    X.q.resize(Mp * K / 2, 0);
-    X.gsum.resize(Mp * X.groups, 0.f);
-  }
+  const XPairs X(x, L.G, act8 && L.int4, amx ? (M + 31) / 32 * 32 : M);  // AMX: whole tiles of 32 rows
+#else
+  const XPairs X(x, L.G, act8 && L.int4, M);
 #endif
+  TORCH_CHECK(!yb || X.bf16, "linear_quant: bf16 output is written for bf16 x only");
   // tasks of kVnniTiles 16-row tiles, taken one at a time from a shared counter: threads that run at different
   // speeds (a shared machine) end together, where even shares of the tiles left one waiting at the barrier
   const int64_t tiles = (N + 15) / 16;
@@ -1321,7 +1341,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
 #endif
 #ifdef MII_QBF16
       if (X.bf16) {
-        bf16_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
+        bf16_tiles(X, M, K, L, T, nt, y, yb, N, t0 * 16, next_w, next_bytes);
         continue;
       }
 #endif
@@ -1376,11 +1396,10 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
     return out;
   }
 #endif
-#if defined(MII_QBF16) && defined(MII_AMX)
-  // bf16 x through AMX without a bias: y written in bf16 by the kernel (linear_output's pass over an fp32 copy was
-  // 5% of a W64 prompt step)
-  if (M >= kTileMinRows && N > 0 && x2.scalar_type() == at::kBFloat16 && !(act8 && L.int4)
-      && !(bias.has_value() && bias->defined()) && mii_vec::amx_usable()) {
+#ifdef MII_QBF16
+  // bf16 x through the bf16 tiles (AMX or vdpbf16ps) without a bias: y written in bf16 by the kernel (linear_output's
+  // pass over an fp32 copy was 5% of a W64 prompt step with AMX, 2.7% of W64's samples on a Zen 4 EPYC)
+  if (M >= kTileMinRows && N > 0 && XPairs::takes_bf16(x2, act8 && L.int4) && !(bias.has_value() && bias->defined())) {
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     at::Tensor out = at::empty(sizes, x.options());

@@ -140,8 +140,8 @@ def test_a_row_does_not_depend_on_its_block(scheme, group, dtype):
         part = quant_linear(x[:m], w, None)
         if exact:
             assert torch.equal(part, full[:m]), m
-        else:
-            torch.testing.assert_close(part, full[:m], rtol=1e-5, atol=1e-5)
+        else:  # (bf16 y: fp32 sums that differ in their last bits can round one bf16 step apart)
+            torch.testing.assert_close(part, full[:m], rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,k,scheme,group", [(100, 576, "int4", 32), (48, 1536, "int8", 32), (98, 384, "int4", 64)])
