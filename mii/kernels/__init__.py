@@ -27,6 +27,7 @@ backends (gathered blocks + SDPA, eager element-wise ops).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -164,6 +165,40 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def build_dir() -> Path:
+    """Where the CPU kernels are built: specific to this torch, this source and this CPU's instruction set
+    (-march=native)."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / key
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """Hold the build directory against other mii processes, and clear a build baton nobody holds.
+
+    cpp_extension marks a build in progress with a `lock` file, and a process that finds one waits until it goes
+    away: after a build that was interrupted (Ctrl-C during the first start, a killed process) it never does, and
+    every later start hung without a word. An advisory lock (`flock`, released by the system when its holder
+    exits, however it exits) tells a live builder from a dead one: whoever holds it while `lock` exists is looking
+    at a dead build's leftover, and removes it."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: cpp_extension's own baton only)
+        yield
+        return
+    with open(build / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another mii process building or loading here: wait for it
+        try:
+            baton = build / "lock"
+            if baton.exists():
+                log.warning("mii: removing %s, left by a kernel build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def load_cpu_kernels() -> Optional[str]:
     """Build (first time on this machine) or load the CPU kernels; returns None when ready, else the reason."""
     with _lock:
@@ -174,16 +209,15 @@ def load_cpu_kernels() -> Optional[str]:
 
             _ninja_on_path()
 
-            # the build is specific to this torch, this source and this CPU's instruction set (-march=native)
-            key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode()
-                                 + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-            build = cache_dir() / "kernels" / key
+            build = build_dir()
             build.mkdir(parents=True, exist_ok=True)
-            if not (build / "mii_cpu_kernels.so").exists():
-                log.info("mii: building the CPU kernels (once per machine, under a minute) in %s", build)
-            cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
+            with _build_lock(build):
+                if not (build / "mii_cpu_kernels.so").exists():
+                    log.info("mii: building the CPU kernels (once per machine, under a minute) in %s", build)
+                cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES],
+                                   build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math",
+                                                                             "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _state["error"] = None
         except Exception as e:  # no compiler, or a failed build: the torch backend stays
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]

@@ -1,6 +1,9 @@
 """The engine on mii's CPU kernels (paged attention in place, fused norm/rotary/SiLU·mul) against the same
 engine on the torch reference backends (MII_KERNELS=0): fp32 against transformers on both, and bf16 kernels
 close to bf16 torch in vLLM's `check_logprobs_close` sense."""
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
@@ -120,3 +123,22 @@ def test_int8_kv_cache_refused_where_nothing_reads_it(tmp_path, tokenizer_dir, m
     monkeypatch.setenv("MII_KERNELS", "0")
     with pytest.raises(ValidationError, match="with the torch attention: an int8 cache is read by mii's CPU"):
         mii.pipeline(str(path), dtype="bfloat16", kv_cache_dtype="int8")
+
+
+def test_a_start_after_an_interrupted_build_does_not_hang():
+    """cpp_extension marks a kernel build in progress with a `lock` file in the build directory and waits for it to
+    go away; a build interrupted before (Ctrl-C during the first start) leaves it for good. The next process finds
+    nobody holding the build directory, removes the file, loads the kernels, and says so."""
+    if kernels.load_cpu_kernels() is not None:
+        pytest.skip(f"CPU kernels not built: {kernels.load_cpu_kernels()}")
+    baton = kernels.build_dir() / "lock"
+    baton.touch()
+    try:
+        run = subprocess.run([sys.executable, "-c", "from mii.kernels import load_cpu_kernels as f; print(f())"],
+                             capture_output=True, text=True, timeout=180)
+        left = baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["None"], run.stderr[-2000:]
+    assert "left by a kernel build that did not finish" in run.stderr
+    assert not left
