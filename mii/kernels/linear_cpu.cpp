@@ -416,10 +416,20 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
 #endif
   if (M <= kDecodeRows) {
     at::parallel_for(0, groups, kSuper, [&](int64_t b, int64_t e) {
-      const int64_t S = (e - b) / kSuper;
-      for (int64_t g = b; g < b + S; ++g) kpair_rows<4, true>(x, M, K, tiles + g * group_elems, y + g * 16, N, S);
-      for (int64_t g = b + kSuper * S; g < e; ++g)
-        kpair_rows<1, true>(x, M, K, tiles + g * group_elems, y + g * 16, N);
+      // runs of S groups, the last one shorter: the groups past kSuper whole runs ride along in the runs' last
+      // steps, several streams at a time, where they came one group after another at the end (single-stream bf16
+      // decode, alternated every 4 steps in one process: 8 of 8 rounds faster, 0.3-1.2%; the same sums)
+      static_assert(kSuper == 4, "a step takes up to 4 runs' groups (the switch below)");
+      const int64_t n = e - b, S = (n + kSuper - 1) / kSuper, runs = (n + S - 1) / S, last = n - (runs - 1) * S;
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t g = b + i;
+        switch (i < last ? runs : runs - 1) {
+          case 4: kpair_rows<4, true>(x, M, K, tiles + g * group_elems, y + g * 16, N, S); break;
+          case 3: kpair_rows<3, true>(x, M, K, tiles + g * group_elems, y + g * 16, N, S); break;
+          case 2: kpair_rows<2, true>(x, M, K, tiles + g * group_elems, y + g * 16, N, S); break;
+          default: kpair_rows<1, true>(x, M, K, tiles + g * group_elems, y + g * 16, N, S);
+        }
+      }
     });
     return;
   }
