@@ -34,13 +34,37 @@ def ranks_on_this_host(tensor_parallel: int) -> int:
     return tensor_parallel
 
 
+# MII_CPU_ISA: the kernels built, and the plan made, as for a lesser CPU than this one (to test those paths here, or
+# to build for the lesser machines of a mixed fleet): what each level leaves out of the CPU's flags, and the
+# compiler flags that keep it out of the kernels
+CPU_ISAS = {
+    "avx512": (("avx512_bf16", "amx"), ["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]),
+    "avx2": (("avx512", "amx"), ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]),
+}
+
+
+def cpu_isa() -> Optional[str]:
+    """MII_CPU_ISA: None (native, the default), "avx512" (AVX-512 without AVX512-BF16 or AMX: an Ice Lake) or
+    "avx2" (no AVX-512: a Zen 3)."""
+    value = os.environ.get("MII_CPU_ISA", "").strip().lower()
+    if value in ("", "native"):
+        return None
+    if value not in CPU_ISAS:
+        raise ValueError(f"MII_CPU_ISA={value!r}: expected native, avx512 (AVX-512 without AVX512-BF16 or AMX) or "
+                         f"avx2 (no AVX-512)")
+    return value
+
+
 def cpu_flags() -> frozenset:
-    """This CPU's feature flags (/proc/cpuinfo), empty where that cannot be read."""
+    """This CPU's feature flags (/proc/cpuinfo; less what MII_CPU_ISA leaves out), empty where that cannot be
+    read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
+            flags = next((line for line in f if line.startswith("flags")), "").split()[2:]
     except OSError:
         return frozenset()
+    isa = cpu_isa()
+    return frozenset(f for f in flags if not (isa and f.startswith(CPU_ISAS[isa][0])))
 
 
 def kernels_disabled() -> bool:

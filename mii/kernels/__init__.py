@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from mii.envs import cache_dir, cpu_flags
+from mii.envs import CPU_ISAS, cache_dir, cpu_flags, cpu_isa
 
 log = logging.getLogger("mii")
 
@@ -214,10 +214,11 @@ def load_cpu_kernels() -> Optional[str]:
             with _build_lock(build):
                 if not (build / "mii_cpu_kernels.so").exists():
                     log.info("mii: building the CPU kernels (once per machine, under a minute) in %s", build)
+                isa = cpu_isa()  # (MII_CPU_ISA: as for a lesser CPU; its flags are in the build directory's key)
+                cflags = ["-O3", "-march=native", *(CPU_ISAS[isa][1] if isa else []), "-ffast-math", "-fopenmp"]
                 cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                                   build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math",
-                                                                             "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                                   build_directory=str(build), extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                                   is_python_module=False, verbose=False)
             _state["error"] = None
         except Exception as e:  # no compiler, or a failed build: the torch backend stays
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]

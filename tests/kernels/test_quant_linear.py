@@ -1,6 +1,11 @@
 """Weight-only int8/int4 linears (`mii.layers.quant.quant_linear`: mii::linear_quant on CPU) against dequantize
 then matmul in float64, on random shapes: 1-70 rows, several groups per row, with and without bias, int8 per
 output channel and grouped, int4 in groups of 32, 64 and 128, fp32 and bf16 activations."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -260,3 +265,23 @@ def test_rows_are_the_dequantized_rows(scheme, group):
     assert dequantize_rows(w, torch.zeros(0, dtype=torch.long)).shape == (0, k)
     with pytest.raises(IndexError, match="out of range"):
         dequantize_rows(w, torch.tensor([3, n]))
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU above the one it stands in for")
+def test_kernels_for_an_avx512_cpu_without_bf16():
+    """MII_CPU_ISA=avx512 builds the kernels and makes the plan as for an AVX-512 CPU without AVX512-BF16 or AMX
+    (an Ice Lake), in a process of its own: this file's references hold there too. (bf16 x at 9+ rows of an
+    int4/int8 linear once took the bf16 tiles into the int16 kernel on such CPUs and crashed.)"""
+    env = dict(os.environ, MII_CPU_ISA="avx512")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not for_an_avx512_cpu"], env=env, capture_output=True, text=True, timeout=900,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_an_unknown_cpu_isa_is_refused(monkeypatch):
+    monkeypatch.setenv("MII_CPU_ISA", "sse4")
+    with pytest.raises(ValueError, match=r"MII_CPU_ISA='sse4': expected native, avx512 .* or avx2"):
+        cpu_flags()
+    monkeypatch.setenv("MII_CPU_ISA", "avx2")
+    assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags())
