@@ -376,15 +376,24 @@ inline void dot_bytes(__m512i& acc, __m512i u, __m512i s) { __asm__("vpdpbusd %2
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const at::BFloat16* x) { return mii_vec::bf16_load(x); }
 
-// n zeroed vectors of this thread's scratch `slot`, kept from call to call: x's bytes are rebuilt for every decode
-// linear (120 a step), where three allocations each cost more than filling them, in a step whose caches are cold.
-// One user of a slot at a time: each linear_quant call builds one XBytes or XBytes16 and drops it before returning.
+// n elements of this thread's buffer `slot`, kept from call to call and not cleared (XPairs writes every element it
+// reads: its arrays were vectors, zeroed as they were allocated, for a W64 prompt step's x a serial memset of a few
+// MB a linear, 2.5% of W64's samples on a Zen 4 EPYC). One user of a buffer at a time: each linear_quant call builds
+// one XBytes, XBytes16 or XPairs and drops it before returning.
 template <typename V, int slot>
-V* scratch(int64_t n) {
+V* reused(int64_t n) {
   static thread_local std::vector<V> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  std::memset(static_cast<void*>(buf.data()), 0, n * sizeof(V));
   return buf.data();
+}
+
+// the same, zeroed: x's bytes are rebuilt for every decode linear (120 a step), where three allocations each cost
+// more than filling them, in a step whose caches are cold
+template <typename V, int slot>
+V* scratch(int64_t n) {
+  V* buf = reused<V, slot>(n);
+  std::memset(static_cast<void*>(buf), 0, n * sizeof(V));
+  return buf;
 }
 
 template <bool kAct8>
@@ -684,16 +693,6 @@ inline void dot(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpwssd %2, %1, 
 #ifdef MII_QBF16
 inline void dot(__m512& acc, __m512i w, __m512i x) { __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
 #endif
-
-// n elements of this thread's buffer `slot`, kept from call to call and not cleared: XPairs writes every element it
-// reads. Its arrays were vectors, zeroed as they were allocated: for a W64 prompt step's x, a serial memset of a few
-// MB a linear, 2.5% of W64's samples on a Zen 4 EPYC.
-template <typename V, int slot>
-V* reused(int64_t n) {
-  static thread_local std::vector<V> buf;
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
-}
 
 // x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16. One
 // XPairs a thread at a time (its arrays are the thread's reused buffers).
