@@ -63,6 +63,8 @@ class StepMeta:
     seq_lens: np.ndarray     # [S] int32: keys per sequence once this step's tokens are written
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with 0
     num_decode: int          # leading sequences with one query token
+    max_query_len: int = 1   # the longest chunk's tokens
+    max_seq_len: int = 0     # the longest sequence's keys
     prompt_index: Optional[np.ndarray] = None  # [P] int64: flat index of each prompt token whose next-token
     # logprob a request asked for (prompt_logprobs); their logits follow the sampled rows' in `execute`
 
@@ -107,6 +109,8 @@ class ModelRunner:
             for m in model.modules():  # the decoder layers in one C++ call where the architecture allows
                 if hasattr(m, "fuse_stack"):
                     m.fuse_stack()
+        if hasattr(model, "bind_ops"):
+            model.bind_ops()
         self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
     @staticmethod
@@ -118,6 +122,11 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepMeta:
         """The step's host-side metadata (numpy), built once; under tensor parallelism rank 0 sends it as is."""
+        if self.attention == "kernel" and all(c.length == 1 for c in batch.chunks):
+            return self._prepare_decode(batch)
+        return self._prepare_any(batch)
+
+    def _prepare_any(self, batch: ScheduledBatch) -> StepMeta:
         chunks = batch.chunks
         bs = self.block_size
         S = len(chunks)
@@ -149,14 +158,41 @@ class ModelRunner:
         rows = np.fromiter((i for i, c in enumerate(chunks) if c.samples), np.int64)
         meta = StepMeta(np.asarray(ids, dtype=np.int64), positions, slots, groups,
                         query_start[rows + 1] - 1, rows, query_start.astype(np.int32), seq_lens.astype(np.int32),
-                        tables.astype(np.int32), n_decode)
-        # prompt logprobs: position j's logits score prompt token j + 1; positions already scored are skipped (a
-        # recomputed prompt after preemption)
+                        tables.astype(np.int32), n_decode, int(lengths.max()), int(seq_lens.max()))
+        self._score_prompts(meta, batch, offsets)
+        return meta
+
+    def _prepare_decode(self, batch: ScheduledBatch) -> StepMeta:
+        """`prepare` for a step of one token per sequence (the kernels' varlen view only), in plain Python over the
+        sequences: at decode batch sizes numpy's cost per call outweighs its work, and a single-stream decode step
+        ran its ~20 numpy calls with caches the weights had just swept (~0.15 ms of a ~4.5 ms step)."""
+        chunks = batch.chunks
+        bs, S = self.block_size, len(chunks)
+        starts = [c.start for c in chunks]
+        tables = np.zeros((S, max(starts) // bs + 1), dtype=np.int32)
+        ids, slots = [], []
+        for i, c in enumerate(chunks):
+            table, p = c.seq.block_table, c.start
+            tables[i, : len(table)] = table[: tables.shape[1]]
+            ids.append(c.seq.token_ids[p])
+            slots.append(table[p // bs] * bs + p % bs)
+        rows = np.array([i for i, c in enumerate(chunks) if c.samples], dtype=np.int64)
+        positions = np.array(starts, dtype=np.int64)
+        meta = StepMeta(np.array(ids, dtype=np.int64), positions, np.array(slots, dtype=np.int64), [], rows, rows,
+                        np.arange(S + 1, dtype=np.int32), (positions + 1).astype(np.int32), tables, S, 1,
+                        max(starts) + 1)
+        self._score_prompts(meta, batch, np.arange(S))
+        return meta
+
+    @staticmethod
+    def _score_prompts(meta: StepMeta, batch: ScheduledBatch, offsets: np.ndarray) -> None:
+        """Prompt logprobs: position j's logits score prompt token j + 1; positions already scored are skipped (a
+        recomputed prompt after preemption)."""
         spans = _prompt_spans(batch)
         if spans:
+            chunks = batch.chunks
             meta.prompt_index = np.concatenate([np.arange(offsets[i] + a - chunks[i].start,
                                                           offsets[i] + b - chunks[i].start) for i, a, b in spans])
-        return meta
 
     def _group(self, g: GroupMeta) -> AttentionGroup:
         bs = self.block_size
@@ -179,13 +215,15 @@ class ModelRunner:
     def _inputs(self, meta: StepMeta):
         """Device tensors of a step: (input ids [T], positions [T], AttentionContext, logit_index [R])."""
         dev = self.device
-        to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # no host sync (pageable: staged at once)
+        if dev.type == "cpu":  # (the arrays as they are)
+            to = torch.from_numpy
+        else:
+            to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # no host sync (pageable: staged at once)
         ctx = AttentionContext(slot_mapping=to(meta.slots), block_size=self.block_size,
                                num_tokens=len(meta.input_ids), groups=[self._group(g) for g in meta.groups],
                                query_start=to(meta.query_start), seq_lens=to(meta.seq_lens),
-                               block_tables=to(meta.block_tables),
-                               max_query_len=int(np.diff(meta.query_start).max()),
-                               max_seq_len=int(meta.seq_lens.max()), num_decode=meta.num_decode)
+                               block_tables=to(meta.block_tables), max_query_len=meta.max_query_len,
+                               max_seq_len=meta.max_seq_len, num_decode=meta.num_decode)
         return to(meta.input_ids), to(meta.positions), ctx, to(meta.logit_index)
 
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
@@ -201,7 +239,9 @@ class ModelRunner:
             logit_index = torch.cat([logit_index, torch.from_numpy(meta.prompt_index).to(self.device)])
         if not len(logit_index):
             return None
-        return self.model.compute_logits(hidden[logit_index])  # [R, V] (or [R + P, V])
+        if scoring or len(logit_index) < len(hidden):  # (else every token's, in order: a decode step)
+            hidden = hidden[logit_index]
+        return self.model.compute_logits(hidden)  # [R, V] (or [R + P, V])
 
     def _forward(self, meta: StepMeta) -> Optional[torch.Tensor]:
         if self.tp_group is None:

@@ -1,11 +1,14 @@
 """Token embedding and LM head, split over the vocabulary across tensor-parallel ranks."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii.layers.linear import bf16w_rows, check_shape, packed_linear, tiled_rows
+from mii import kernels
+from mii.layers.linear import bf16w_rows, check_shape, linear_op, packed_linear, tiled_rows
 from mii.layers.quant import dequantize_rows, out_features, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
@@ -35,6 +38,20 @@ class VocabParallelEmbedding(nn.Module):
             return dequantize_rows(self.weight, ids)
         return tiled_rows(self.weight, ids) if self.weight.dim() == 3 else F.embedding(ids, self.weight)
 
+    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` bound once to the op it reaches where this rank holds the whole vocabulary and mii's CPU kernels
+        look its rows up (see CausalLM.bind_ops); else `forward` itself."""
+        w, dtype = self.weight, self.out_dtype
+        if self.tp_size > 1 or w.device.type != "cpu":
+            return self.forward
+        if scheme(w) is not None and kernels.cpu_op("quant_rows"):
+            op = torch.ops.mii.quant_rows
+        elif scheme(w) is None and w.dim() == 3 and kernels.cpu_op("tiled_rows"):
+            op = torch.ops.mii.tiled_rows
+        else:
+            return self.forward
+        return (lambda ids: op(w, ids)) if dtype is None else (lambda ids: op(w, ids).to(dtype))
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             y = self._rows(ids)
@@ -62,6 +79,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` bound once to its matmul's op where this rank holds the whole vocabulary; else `forward`."""
+        return linear_op(self, self.bias) if self.tp_size == 1 else self.forward
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = packed_linear(h, self, self.bias)

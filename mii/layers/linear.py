@@ -9,7 +9,7 @@ into its parts and loads each as above, so tensor parallelism still takes the ri
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +50,22 @@ def packed_linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tenso
     """x @ module.weight.T + bias: through oneDNN's prepacked weight when there is one, through
     `mii::linear_bf16w` when the weight is kept in bf16 for fp32 math (`store_weights_bf16`), through
     `mii::linear_quant` when it is quantized (`mii/layers/quant.py`)."""
+    return linear_op(module, bias)(x)
+
+
+def linear_op(module: nn.Module, bias: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`packed_linear` for this module bound once to the op it reaches (by the weight's form: final once the model
+    is loaded)."""
     if module.packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, module.packed, bias, "none", [], "")
-    if scheme(module.weight) is not None:
-        return quant_linear(x, module.weight, bias, getattr(module, "act8", False))
+        packed = module.packed
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    w = module.weight
+    if scheme(w) is not None:
+        act8 = getattr(module, "act8", False)
+        return lambda x: quant_linear(x, w, bias, act8)
     if module.bf16_kernel:
-        return torch.ops.mii.linear_bf16w(x, module.weight, bias)
-    return F.linear(x, module.weight, bias)
+        return lambda x: torch.ops.mii.linear_bf16w(x, w, bias)
+    return lambda x: F.linear(x, w, bias)
 
 
 def tile_bf16w(w: torch.Tensor) -> torch.Tensor:
