@@ -15,8 +15,8 @@
   in one pass over each row, drawing what the torch sampler draws, and `mii::argmax_rows`, the greedy rows'
   tokens straight from bf16 logits (`sampler_cpu.cpp`);
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
-  MLP) in one call, running the kernels above in the eager order without the Python between them
-  (`decoder_cpu.cpp`).
+  MLP) in one call, running the kernels above in the eager order without the Python between them, on the
+  parameters, caches and windows that `mii::stack_params` holds for it between steps (`decoder_cpu.cpp`).
 
 The ops are defined here; their CPU kernels are C++, built once per machine with the system compiler and cached under
 `~/.cache/mii/kernels` (`$MII_CACHE_DIR`). Why our own: no maintained package offers CPU paged attention for
@@ -59,10 +59,10 @@ _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor
             "Tensor steps) -> Tensor")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
 _lib.define("tiled_rows(Tensor tiles, Tensor ids) -> Tensor")
-_lib.define("decoder_stack(Tensor x, Tensor positions, Tensor[] params, Tensor(a!)[] caches, Tensor slot_mapping, "
-            "Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, "
-            "int n_kv_heads, int head_dim, float scale, float eps, float norm_offset, int[] windows, bool act8=False, "
-            "Tensor? final_norm=None) -> (Tensor, Tensor)")
+_lib.define("stack_params(Tensor[] params, Tensor[] caches, int[] windows) -> Tensor")
+_lib.define("decoder_stack(Tensor x, Tensor positions, Tensor stack, Tensor slot_mapping, Tensor query_start, "
+            "Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, int n_kv_heads, int head_dim, "
+            "float scale, float eps, float norm_offset, bool act8=False, Tensor? final_norm=None) -> (Tensor, Tensor)")
 
 
 @torch.library.register_fake("mii::paged_attention")
@@ -85,9 +85,14 @@ def _(x):
     return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 
+@torch.library.register_fake("mii::stack_params")
+def _(params, caches, windows):
+    return torch.empty(2, dtype=torch.long)
+
+
 @torch.library.register_fake("mii::decoder_stack")
-def _(x, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables, max_query_len, n_heads,
-      n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8=False, final_norm=None):
+def _(x, positions, stack, slot_mapping, query_start, seq_lens, block_tables, max_query_len, n_heads, n_kv_heads,
+      head_dim, scale, eps, norm_offset, act8=False, final_norm=None):
     return torch.empty_like(x), torch.empty_like(x)
 
 

@@ -5,6 +5,7 @@
 // trips and views, about 0.15 ms a layer, 4-5 ms of a single-stream decode step of SmolLM2.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
@@ -110,6 +111,67 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
   return {x, residual};
 }
 
-TORCH_LIBRARY_IMPL(mii, CPU, m) { m.impl("decoder_stack", &decoder_stack_cpu); }
+// The stack's parameters, caches and windows held in C++ between steps (mii::stack_params): a decode step's call
+// then passes one tensor where it passed ~480 (SmolLM2: 14 parameters and 2 caches a layer), whose conversion from
+// Python took ~0.1 ms of a ~4 ms single-stream step. The handle is a tensor of two int64 (a tag, the address of
+// what it holds) whose memory is that record: freed with the last reference to the tensor (the model's).
+namespace {
+
+constexpr int64_t kStackTag = 0x6d69697374616bLL;  // "miistak"
+
+struct StackParams {
+  int64_t tag = kStackTag;
+  std::vector<at::Tensor>* held;  // params, then caches
+  std::vector<int64_t>* windows;
+  int64_t n_params;
+};
+
+const StackParams& held_stack(const at::Tensor& handle) {
+  TORCH_CHECK(handle.scalar_type() == at::kLong && handle.numel() == 2 && handle.is_contiguous() &&
+                  handle.data_ptr<int64_t>()[0] == kStackTag,
+              "decoder_stack: not a handle from mii::stack_params");
+  return *static_cast<const StackParams*>(handle.data_ptr());
+}
+
+}  // namespace
+
+at::Tensor stack_params_cpu(at::TensorList params, at::TensorList caches, at::IntArrayRef windows) {
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == static_cast<int64_t>(windows.size()) * kPerLayer &&
+                  caches.size() == 2 * windows.size(),
+              "stack_params: ", kPerLayer, " parameters and 2 caches per layer expected");
+  auto* h = new StackParams;
+  h->held = new std::vector<at::Tensor>(params.vec());
+  h->held->insert(h->held->end(), caches.begin(), caches.end());
+  h->windows = new std::vector<int64_t>(windows.vec());
+  h->n_params = static_cast<int64_t>(params.size());
+  static_assert(sizeof(StackParams) == 4 * sizeof(int64_t), "the handle's two int64 are the record's first two");
+  return at::from_blob(
+      h, {2},
+      [](void* p) {
+        auto* r = static_cast<StackParams*>(p);
+        delete r->held;
+        delete r->windows;
+        delete r;
+      },
+      at::TensorOptions().dtype(at::kLong));
+}
+
+// mii::decoder_stack: decoder_stack_cpu with the parameters, caches and windows a handle from mii::stack_params holds
+std::tuple<at::Tensor, at::Tensor> decoder_stack_held_cpu(
+    const at::Tensor& x, const at::Tensor& positions, const at::Tensor& handle, const at::Tensor& slot_mapping,
+    const at::Tensor& query_start, const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t max_query_len,
+    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double scale, double eps, double norm_offset, bool act8,
+    const c10::optional<at::Tensor>& final_norm) {
+  const StackParams& h = held_stack(handle);
+  const at::TensorList all(*h.held);
+  return decoder_stack_cpu(x, positions, all.slice(0, h.n_params), all.slice(h.n_params), slot_mapping, query_start,
+                           seq_lens, block_tables, max_query_len, n_heads, n_kv_heads, head_dim, scale, eps,
+                           norm_offset, *h.windows, act8, final_norm);
+}
+
+TORCH_LIBRARY_IMPL(mii, CPU, m) {
+  m.impl("stack_params", &stack_params_cpu);
+  m.impl("decoder_stack", &decoder_stack_held_cpu);
+}
 // (oneDNN-prepacked weights among the parameters make the dispatcher pick this key)
-TORCH_LIBRARY_IMPL(mii, MkldnnCPU, m) { m.impl("decoder_stack", &decoder_stack_cpu); }
+TORCH_LIBRARY_IMPL(mii, MkldnnCPU, m) { m.impl("stack_params", &stack_params_cpu); }

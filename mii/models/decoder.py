@@ -130,7 +130,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotaries[i]) for i in range(cfg.num_layers))
         self.norm = _norm(cfg) if cfg.final_norm else None
         self.embed_scale = cfg.embed_scale
-        self.stack: Optional[dict] = None  # mii::decoder_stack's arguments, set by `fuse_stack`
+        self.stack: Optional[dict] = None  # mii::decoder_stack's arguments (its held tensors), set by `fuse_stack`
 
     def fuse_stack(self) -> bool:
         """Run every decoder layer in one `mii::decoder_stack` call (mii's CPU kernels, once the model runner
@@ -168,9 +168,11 @@ class DecoderModel(nn.Module):
         # the model's last norm joins the call where it is the layers' kind: one Python call fewer a step
         last = self.norm if (isinstance(self.norm, RMSNorm) and self.norm.fused
                              and (self.norm.eps, self.norm.offset) == (eps, offset)) else None
-        self.stack = dict(params=params, caches=caches, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                          head_dim=a.attn.head_dim, scale=a.attn.scale, eps=eps, norm_offset=offset, windows=windows,
-                          act8=any(getattr(m, "act8", False) for m in self.modules()),
+        # the parameters, caches and windows held by the kernels between steps (a tensor handle): a step's call
+        # passes one tensor, not ~480
+        self.stack = dict(held=torch.ops.mii.stack_params(params, caches, windows), n_heads=a.n_heads,
+                          n_kv_heads=a.n_kv_heads, head_dim=a.attn.head_dim, scale=a.attn.scale, eps=eps,
+                          norm_offset=offset, act8=any(getattr(m, "act8", False) for m in self.modules()),
                           final_norm=None if last is None else last.weight)
         return True
 
@@ -186,9 +188,9 @@ class DecoderModel(nn.Module):
         if self.stack is not None and x.shape[0]:
             st = self.stack
             x, residual = torch.ops.mii.decoder_stack(
-                x, positions, st["params"], st["caches"], ctx.slot_mapping, ctx.query_start, ctx.seq_lens,
-                ctx.block_tables, ctx.max_query_len, st["n_heads"], st["n_kv_heads"], st["head_dim"], st["scale"],
-                st["eps"], st["norm_offset"], st["windows"], st["act8"], st["final_norm"])
+                x, positions, st["held"], ctx.slot_mapping, ctx.query_start, ctx.seq_lens, ctx.block_tables,
+                ctx.max_query_len, st["n_heads"], st["n_kv_heads"], st["head_dim"], st["scale"], st["eps"],
+                st["norm_offset"], st["act8"], st["final_norm"])
             normed = st["final_norm"] is not None
         else:
             for layer in self.layers:

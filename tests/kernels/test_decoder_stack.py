@@ -83,3 +83,32 @@ def test_other_blocks_keep_the_layers(tmp_path, tokenizer_dir):
         assert pipe("hello", max_new_tokens=3, ignore_eos=True)[0].generated_length == 3
     finally:
         pipe.destroy()
+
+
+def test_the_held_parameters_live_as_long_as_their_handle():
+    """mii::stack_params holds the stack's tensors in C++ between steps; the last reference to its handle frees
+    them (a numpy array under a tensor counts the tensor's references)."""
+    import sys
+
+    import numpy as np
+
+    arr = np.zeros(64, dtype=np.float32)
+    base = sys.getrefcount(arr)
+    t = torch.from_numpy(arr)
+    handle = torch.ops.mii.stack_params([t] * 14, [t, t], [0])
+    del t
+    assert sys.getrefcount(arr) == base + 1  # the tensor, alive in the handle's record
+    assert handle.dtype == torch.long and handle.shape == (2,)
+    del handle
+    assert sys.getrefcount(arr) == base
+
+
+def test_a_tensor_that_is_not_a_handle_is_refused():
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="not a handle from mii::stack_params"):
+        torch.ops.mii.decoder_stack(x, torch.zeros(1, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                                         torch.zeros(1, dtype=torch.long), torch.zeros(2, dtype=torch.int32),
+                                         torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1,
+                                         4, 2, 16, 0.25, 1e-5, 0.0)
+    with pytest.raises(RuntimeError, match="14 parameters and 2 caches per layer"):
+        torch.ops.mii.stack_params([x] * 13, [x, x], [0])
