@@ -1,13 +1,13 @@
 """Token embedding and LM head, split over the vocabulary across tensor-parallel ranks."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii import kernels
 from mii.layers.linear import bf16w_rows, check_shape, linear_op, packed_linear, tiled_rows
 from mii.layers.quant import dequantize_rows, out_features, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
@@ -31,26 +31,24 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(param, part, "embedding")
         param.data.copy_(part)
 
+    def _lookup(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """ids → rows of this rank's weight, by the weight's form: a weight tied to an LM head that mii::linear_bf16w
+        reads is tiled (store_weights_bf16); a quantized one is in mii/layers/quant.py's layout."""
+        w = self.weight
+        if scheme(w) is not None:
+            return functools.partial(dequantize_rows, w)
+        return functools.partial(tiled_rows, w) if w.dim() == 3 else functools.partial(F.embedding, weight=w)
+
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        # a weight tied to an LM head that mii::linear_bf16w reads is tiled (store_weights_bf16); a quantized one
-        # is in mii/layers/quant.py's layout
-        if scheme(self.weight) is not None:
-            return dequantize_rows(self.weight, ids)
-        return tiled_rows(self.weight, ids) if self.weight.dim() == 3 else F.embedding(ids, self.weight)
+        return self._lookup()(ids)
 
     def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`forward` bound once to the op it reaches where this rank holds the whole vocabulary and mii's CPU kernels
-        look its rows up (see CausalLM.bind_ops); else `forward` itself."""
-        w, dtype = self.weight, self.out_dtype
-        if self.tp_size > 1 or w.device.type != "cpu":
+        """`forward` bound once to the lookup it reaches where this rank holds the whole vocabulary (see
+        CausalLM.bind_ops); else `forward` itself."""
+        if self.tp_size > 1:
             return self.forward
-        if scheme(w) is not None and kernels.cpu_op("quant_rows"):
-            op = torch.ops.mii.quant_rows
-        elif scheme(w) is None and w.dim() == 3 and kernels.cpu_op("tiled_rows"):
-            op = torch.ops.mii.tiled_rows
-        else:
-            return self.forward
-        return (lambda ids: op(w, ids)) if dtype is None else (lambda ids: op(w, ids).to(dtype))
+        rows, dtype = self._lookup(), self.out_dtype
+        return rows if dtype is None else (lambda ids: rows(ids).to(dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
