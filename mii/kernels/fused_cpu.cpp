@@ -33,6 +33,37 @@ template <typename F> void for_rows(int64_t rows, int64_t width, const F& fn) {
 
 }  // namespace
 
+#ifdef MII_BF16_VEC
+// One bf16 row of rms_norm_cpu (n % 16 == 0), with its rounding points, 16 values at a time (the sum of squares in
+// another order than the scalar path; x and the residual are bf16: the _fast roundings). With a residual, h = x +
+// residual goes to res_out first (which may be the residual itself) and is normalized from there.
+void rms_norm_row_bf16(const at::BFloat16* x, const at::BFloat16* residual, at::BFloat16* res_out,
+                       const at::BFloat16* w, at::BFloat16* y, int64_t n, float eps, float offset) {
+  using namespace mii_vec;
+  __m512 ss = _mm512_setzero_ps();
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 h = bf16_rounded_fast(_mm512_add_ps(bf16_load(x + i), bf16_load(residual + i)));
+      bf16_store_fast(res_out + i, h);
+      ss = _mm512_fmadd_ps(h, h, ss);
+    }
+    x = res_out;
+  } else {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 h = bf16_load(x + i);
+      ss = _mm512_fmadd_ps(h, h, ss);
+    }
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
+  const __m512 iv = _mm512_set1_ps(inv), ov = _mm512_set1_ps(offset);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 xn = _mm512_mul_ps(bf16_load(x + i), iv), wv = bf16_load(w + i);
+    bf16_store_fast(y + i, offset == 0.f ? _mm512_mul_ps(bf16_rounded_fast(xn), wv)
+                                         : _mm512_mul_ps(xn, _mm512_add_ps(wv, ov)));
+  }
+}
+#endif
+
 // y = rms_norm(x [+ residual]) * (offset + weight); with a residual, also returns x + residual (the new residual).
 // Eager (mii/layers/norm.py): h = x + residual (rounded to dtype); y = (h / rms(h) in fp32), rounded to dtype,
 // times weight in dtype (offset 0), or (h / rms(h)) * (offset + weight) in fp32, rounded (offset != 0).
@@ -54,35 +85,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const c10::
     const float fo = static_cast<float>(offset);
 #ifdef MII_BF16_VEC
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (n % 16 == 0) {  // the same rounding points, 16 values at a time (the sum of squares in another order)
-        // (x and the residual are bf16: the _fast roundings)
-        using namespace mii_vec;
+      if (n % 16 == 0) {
+        // (a lambda under AT_DISPATCH is no template: the casts are no-ops for bf16, and compile for the others)
+        using B = at::BFloat16;
+        const B *xb = reinterpret_cast<const B*>(xp), *rb = reinterpret_cast<const B*>(rp);
         for_rows(T, n, [&](int64_t r) {
-          const scalar_t* xr = xp + r * n;
-          scalar_t* yr = yp + r * n;
-          __m512 ss = _mm512_setzero_ps();
-          if (rp != nullptr) {
-            const scalar_t* rr = rp + r * n;
-            scalar_t* rout = ro + r * n;
-            for (int64_t i = 0; i < n; i += 16) {
-              const __m512 h = bf16_rounded_fast(_mm512_add_ps(bf16_load(xr + i), bf16_load(rr + i)));
-              bf16_store_fast(rout + i, h);
-              ss = _mm512_fmadd_ps(h, h, ss);
-            }
-            xr = rout;
-          } else {
-            for (int64_t i = 0; i < n; i += 16) {
-              const __m512 h = bf16_load(xr + i);
-              ss = _mm512_fmadd_ps(h, h, ss);
-            }
-          }
-          const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + static_cast<float>(eps));
-          const __m512 iv = _mm512_set1_ps(inv), ov = _mm512_set1_ps(fo);
-          for (int64_t i = 0; i < n; i += 16) {
-            const __m512 xn = _mm512_mul_ps(bf16_load(xr + i), iv), w = bf16_load(wp + i);
-            bf16_store_fast(yr + i, fo == 0.f ? _mm512_mul_ps(bf16_rounded_fast(xn), w)
-                                              : _mm512_mul_ps(xn, _mm512_add_ps(w, ov)));
-          }
+          rms_norm_row_bf16(xb + r * n, rb != nullptr ? rb + r * n : nullptr,
+                            rb != nullptr ? reinterpret_cast<B*>(ro) + r * n : nullptr, reinterpret_cast<const B*>(wp),
+                            reinterpret_cast<B*>(yp) + r * n, n, static_cast<float>(eps), fo);
         });
         return;
       }
@@ -168,6 +178,39 @@ inline float silu(float x) {
   return (x < 0.f ? x * e : x) / (1.f + e);
 }
 
+#ifdef MII_BF16_VEC
+namespace {
+// o = silu(g) * u for n % 16 == 0 values: silu's formula above, 16 values at a time, its exp inlined (exp_neg); bf16
+// rounds silu first, then the product, as eager
+template <typename T> void silu_mul_vec(const T* g, const T* u, T* o, int64_t n) {
+  using namespace mii_vec;
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  const auto load = [](const T* p) {
+    if constexpr (kBf16) return bf16_load(p);
+    else return _mm512_loadu_ps(p);
+  };
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 xv = load(g + i);
+    const __mmask16 neg = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 e = exp_neg(_mm512_or_ps(xv, _mm512_set1_ps(-0.f)));  // e^-|x|
+    // x / (1 + e) as x times 1 / (1 + e) by vrcp14ps and one Newton step (within 2^-23 of the quotient; 1 + e is
+    // in [1, 2]): vdivps alone took ~half of this loop's time
+    const __m512 den = _mm512_add_ps(one, e), r0 = _mm512_rcp14_ps(den);
+    const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)));
+    const __m512 s = _mm512_mul_ps(_mm512_mask_mul_ps(xv, neg, xv, e), r);
+    if constexpr (kBf16) bf16_store_fast(o + i, _mm512_mul_ps(bf16_rounded_fast(s), load(u + i)));
+    else _mm512_storeu_ps(o + i, _mm512_mul_ps(s, load(u + i)));
+  }
+}
+}  // namespace
+
+// one bf16 row of silu_and_mul_cpu: gate_up [2n] -> y [n] (n % 16 == 0)
+void silu_and_mul_row_bf16(const at::BFloat16* gate_up, at::BFloat16* y, int64_t n) {
+  silu_mul_vec(gate_up, gate_up + n, y, n);
+}
+#endif
+
 // [T, 2 * n] (gate | up) -> silu(gate) * up, [T, n]; silu rounded to dtype first, as eager F.silu(gate) * up.
 at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2n]");
@@ -182,32 +225,8 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
       const scalar_t* u = g + n;
       scalar_t* o = yp + r * n;
 #ifdef MII_BF16_VEC
-      constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
-      if constexpr (kBf16 || std::is_same_v<scalar_t, float>) {
-        if (n % 16 == 0) {  // silu's formula above, 16 values at a time, its exp inlined (exp_neg)
-          using namespace mii_vec;
-          const auto load = [](const scalar_t* p) {
-            if constexpr (kBf16) return bf16_load(p);
-            else return _mm512_loadu_ps(p);
-          };
-          const __m512 one = _mm512_set1_ps(1.f);
-          for (int64_t i = 0; i < n; i += 16) {
-            const __m512 xv = load(g + i);
-            const __mmask16 neg = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 e = exp_neg(_mm512_or_ps(xv, _mm512_set1_ps(-0.f)));  // e^-|x|
-            // x / (1 + e) as x times 1 / (1 + e) by vrcp14ps and one Newton step (within 2^-23 of the quotient;
-            // 1 + e is in [1, 2]): vdivps alone took ~half of this loop's time
-            const __m512 den = _mm512_add_ps(one, e), r0 = _mm512_rcp14_ps(den);
-            const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)));
-            const __m512 s = _mm512_mul_ps(_mm512_mask_mul_ps(xv, neg, xv, e), r);
-            if constexpr (kBf16) {  // rounded to bf16, times up, rounded again
-              bf16_store_fast(o + i, _mm512_mul_ps(bf16_rounded_fast(s), load(u + i)));
-            } else {
-              _mm512_storeu_ps(o + i, _mm512_mul_ps(s, load(u + i)));
-            }
-          }
-          return;
-        }
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>) {
+        if (n % 16 == 0) return silu_mul_vec(g, u, o, n);
       }
 #endif
       for (int64_t i = 0; i < n; ++i)

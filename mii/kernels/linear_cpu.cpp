@@ -536,6 +536,27 @@ at::Tensor linear_output(at::Tensor y, const at::Tensor& x, const c10::optional<
   return y.view(sizes);
 }
 
+// One bf16 row x [K] through k-pair tiles [N rows, K] (contiguous, no bias) into y [N], bf16 rounded as
+// linear_output rounds: linear_bf16w_cpu's single-row path without its tensors (mii::decoder_stack's single-row
+// layers). False for a weight of another form, or where this CPU has no native bf16 dot products; x == nullptr:
+// only whether it would take the weight (its shape checked).
+bool linear_bf16w_row(const at::BFloat16* x, int64_t K, const at::Tensor& weight, at::BFloat16* y, int64_t N) {
+#ifdef MII_BF16DP
+  if (weight.dim() != 3 || weight.size(2) != kPairTile || weight.scalar_type() != at::kBFloat16) return false;
+  TORCH_CHECK(weight.size(0) * 16 == N && weight.size(1) * 2 == K && weight.is_contiguous(), "decoder_stack: a weight of ",
+              weight.size(0) * 16, " x ", weight.size(1) * 2, " where ", N, " x ", K, " was expected");
+  if (x == nullptr) return true;
+  thread_local std::vector<float> acc;
+  if (static_cast<int64_t>(acc.size()) < N) acc.resize(N);
+  kpair_gemm(reinterpret_cast<const uint16_t*>(x), 1, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), N,
+             acc.data());
+  for (int64_t i = 0; i < N; i += 16) mii_vec::bf16_store(y + i, _mm512_loadu_ps(acc.data() + i));
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   if (weight.dim() == 3 && weight.size(2) == kPairTile) {  // k-pair tiles: [N/16, K/2, 32]
     TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16w: k-pair tiles must be bf16");

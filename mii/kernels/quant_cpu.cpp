@@ -1378,6 +1378,22 @@ void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Te
 
 }  // namespace
 
+// One bf16 row x [K] through a packed weight [N rows, K] (contiguous, no bias) into y [N], bf16: linear_quant_cpu's
+// single-row path without its tensors (mii::decoder_stack's single-row layers). False where this CPU has no such
+// path; x == nullptr: only whether it would take the weight (its shape checked).
+bool linear_quant_row(const at::BFloat16* x, int64_t K, const at::Tensor& weight, at::BFloat16* y, int64_t N,
+                      bool act8) {
+#ifdef MII_QVNNI
+  const Layout L = layout_of(weight);
+  TORCH_CHECK(L.N() == N && L.K() == K && weight.is_contiguous(), "decoder_stack: a weight of ", L.N(), " x ", L.K(),
+              " where ", N, " x ", K, " was expected");
+  if (x != nullptr) decode_rows<1>(x, static_cast<const uint8_t*>(weight.data_ptr()), L, y, act8);
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                             bool act8) {
   const Layout L = layout_of(weight);

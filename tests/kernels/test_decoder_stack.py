@@ -2,13 +2,15 @@
 layers' own forward and the last norm on the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head, or on CPUs with native bf16 its weights prepacked for
 oneDNN; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
-sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations); and the architectures it does not cover keep the layers."""
+sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations), single rows through its row path included;
+and the architectures it does not cover keep the layers."""
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, PhiConfig, Qwen2Config, Qwen3Config
 
 import mii
 from mii import kernels
+from mii.envs import cpu_flags
 from tests.reference import TINY, prompts_for, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
@@ -26,6 +28,7 @@ CASES = {
     "llama-int4-act8": (LlamaConfig(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int4", quantization_group=32,
                                                                           quantize_activations=True)),
 }
+ROW_KERNELS_QUANT = {"avx512bw", "avx512_vnni", "avx512vbmi"}  # the packed int4/int8 weights' single-row kernel
 
 
 def _both_paths_per_step(pipe):
@@ -67,8 +70,33 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         # prompts longer than the step budget: chunks of several steps next to decode rows
         outs = pipe(prompts_for(VOCAB, lengths=(5, 37, 90, 3)), max_new_tokens=10, do_sample=False,
                     ignore_eos=True)
-        assert len(same) > 10 and all(same), same
-        assert all(o.generated_length == 10 for o in outs)
+        # one sequence alone: its decode steps are single rows (the stack's row path where it takes the layers)
+        outs += pipe(prompts_for(VOCAB, lengths=(21,)), max_new_tokens=12, do_sample=False, ignore_eos=True)
+        assert len(same) > 20 and all(same), same
+        assert all(o.generated_length in (10, 12) for o in outs)
+        # the row path takes bf16 rows through layers without biases or q/k norms (Qwen2's and Qwen3's keep the
+        # layers' ops), whose weights are k-pair tiles (bf16 on CPUs with native bf16 dot products) or packed int4 /
+        # int8 (on CPUs with AVX512-VNNI and VBMI)
+        plan = pipe.engine_plan
+        row_kernels = ROW_KERNELS_QUANT <= cpu_flags() if extra else plan.bf16_kpairs
+        takes = case.startswith("llama") and plan.torch_dtype == torch.bfloat16 and row_kernels
+        assert torch.ops.mii.stack_one_row(model.model.stack["held"]) == int(takes)
+    finally:
+        pipe.destroy()
+
+
+def test_the_embedded_model_alone_equals_its_layers():
+    """The embedded SmolLM2 in its own plan (int4 layers from its GGUF's blocks), one sequence alone: every decode
+    step is a single row, which takes the stack's row path on CPUs with its kernels; each step's logits equal the
+    layers'."""
+    pipe = mii.pipeline()
+    try:
+        model, plan = pipe.engine.loaded.model, pipe.engine_plan
+        same = _both_paths_per_step(pipe)
+        out = pipe("The capital of France is", max_new_tokens=12, do_sample=False, ignore_eos=True)[0]
+        assert out.generated_length == 12 and len(same) == 12 and all(same), same
+        takes = plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()
+        assert torch.ops.mii.stack_one_row(model.model.stack["held"]) == int(takes)
     finally:
         pipe.destroy()
 
