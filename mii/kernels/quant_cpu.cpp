@@ -387,15 +387,6 @@ V* reused(int64_t n) {
   return buf.data();
 }
 
-// the same, zeroed: x's bytes are rebuilt for every decode linear (120 a step), where three allocations each cost
-// more than filling them, in a step whose caches are cold
-template <typename V, int slot>
-V* scratch(int64_t n) {
-  V* buf = reused<V, slot>(n);
-  std::memset(static_cast<void*>(buf), 0, n * sizeof(V));
-  return buf;
-}
-
 template <bool kAct8>
 struct XBytes {
   static constexpr int kVecs = kAct8 ? 2 : 4;
@@ -404,11 +395,18 @@ struct XBytes {
   __m512 *scale, *sum;
   template <typename T>  // float, or bf16 (widened exactly: the same values as its fp32 copy)
   XBytes(const T* x, int64_t M, int64_t K)
-      : cpairs((K / 32 + 1) / 2), q(scratch<__m512i, 0>(M * cpairs * kVecs)),
-        scale(scratch<__m512, 0>(M * cpairs)), sum(scratch<__m512, 1>(M * cpairs)) {
+      : cpairs((K / 32 + 1) / 2), q(reused<__m512i, 0>(M * cpairs * kVecs)),
+        scale(reused<__m512, 0>(M * cpairs)), sum(reused<__m512, 1>(M * cpairs)) {
     constexpr float kInvMax = kAct8 ? 1.f / 127.f : 1.f / 32767.f;
     const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t m = 0; m < M; ++m) {
+      // every chunk's half of the buffers is written below; an odd last chunk's pair has a second half, zero (no
+      // memset of the whole: these buffers are rebuilt for each of a decode step's 120 linears, in cold caches)
+      if ((K / 32) % 2) {
+        const int64_t last = m * cpairs + cpairs - 1;
+        for (int j = 0; j < kVecs; ++j) q[last * kVecs + j] = _mm512_setzero_si512();
+        scale[last] = sum[last] = _mm512_setzero_ps();
+      }
       for (int64_t c = 0; c < K / 32; ++c) {
         // round_chunk's arithmetic in vectors: the same amax, s, inv and products; cvtps rounds half to even
         // (nearbyint under the default rounding mode); the int16/int8 values fit, so their low bytes are theirs
@@ -537,7 +535,7 @@ struct XBytes16 {
   float* scale;  // [rows, chunks]
   template <typename T>  // float, or bf16 (widened exactly first)
   XBytes16(const T* x, int64_t M, int64_t K)
-      : chunks(K / 32), q(scratch<__m512i, 0>(M * chunks * 3)), scale(scratch<float, 0>(M * chunks)) {
+      : chunks(K / 32), q(reused<__m512i, 0>(M * chunks * 3)), scale(reused<float, 0>(M * chunks)) {
     for (int64_t c = 0; c < M * chunks; ++c) {
       float xc[32];
       _mm512_storeu_ps(xc, load16(x + c * 32)), _mm512_storeu_ps(xc + 16, load16(x + c * 32 + 16));
