@@ -22,6 +22,8 @@ CASES = {
     "qwen2-qkv-bias": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto"),
     "qwen3-qk-norm": (Qwen3Config(vocab_size=VOCAB, head_dim=16, **TINY), "auto"),
     "mistral-window-fp32": (MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), "float32"),
+    "mistral-window-int4": (MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), "auto",
+                            dict(quantization="int4", quantization_group=32)),
     "llama-int4": (LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, **TINY), "auto", dict(quantization="int4",
                                                                                               quantization_group=32)),
     "qwen2-int8": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int8")),
@@ -79,7 +81,7 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         # int8 (on CPUs with AVX512-VNNI and VBMI)
         plan = pipe.engine_plan
         row_kernels = ROW_KERNELS_QUANT <= cpu_flags() if extra else plan.bf16_kpairs
-        takes = case.startswith("llama") and plan.torch_dtype == torch.bfloat16 and row_kernels
+        takes = case.startswith(("llama", "mistral")) and plan.torch_dtype == torch.bfloat16 and row_kernels
         assert torch.ops.mii.stack_one_row(model.model.stack["held"]) == int(takes)
     finally:
         pipe.destroy()
