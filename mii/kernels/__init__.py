@@ -63,7 +63,7 @@ _lib.define("stack_params(Tensor[] params, Tensor[] caches, int[] windows) -> Te
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor stack, Tensor slot_mapping, Tensor query_start, "
             "Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, int n_kv_heads, int head_dim, "
             "float scale, float eps, float norm_offset, bool act8=False, Tensor? final_norm=None) -> (Tensor, Tensor)")
-_lib.define("stack_one_row(Tensor stack) -> int")
+_lib.define("stack_few_rows(Tensor stack) -> int")
 
 
 @torch.library.register_fake("mii::paged_attention")

@@ -2,9 +2,9 @@
 // SmolLM2: RMSNorm, fused qkv with optional bias, optional q/k RMSNorm, rotary, paged attention, gated SiLU MLP).
 // It runs the same kernels in the same order as the layers' eager forward (mii/models/decoder.py with the fused
 // ops), so its output is identical; what it removes is the Python between them — module calls, dispatcher round
-// trips and views, about 0.15 ms a layer, 4-5 ms of a single-stream decode step of SmolLM2. A single sequence's
-// decode step (one bf16 row) goes further where the layers allow (one_row_stack): the kernels' row forms on one
-// workspace, without a tensor an op.
+// trips and views, about 0.15 ms a layer, 4-5 ms of a single-stream decode step of SmolLM2. A step of a few bf16
+// rows (1-8: decode steps of a few streams) goes further where the layers allow (few_rows_stack): the kernels' forms
+// for raw rows on one workspace, without a tensor an op.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -31,10 +31,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                             bool act8);
-// and their single-row forms on raw bf16 rows (see there)
-bool linear_quant_row(const at::BFloat16* x, int64_t K, const at::Tensor& weight, at::BFloat16* y, int64_t N,
-                      bool act8);
-bool linear_bf16w_row(const at::BFloat16* x, int64_t K, const at::Tensor& weight, at::BFloat16* y, int64_t N);
+// and their forms for a few rows on raw bf16 rows (see there)
+bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
+                       int64_t N, bool act8);
+bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
+                       int64_t N);
 void rms_norm_row_bf16(const at::BFloat16* x, const at::BFloat16* residual, at::BFloat16* res_out,
                        const at::BFloat16* w, at::BFloat16* y, int64_t n, float eps, float offset);
 void silu_and_mul_row_bf16(const at::BFloat16* gate_up, at::BFloat16* y, int64_t n);
@@ -71,12 +72,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 }
 
 #ifdef MII_BF16_VEC
-// y [N] = x [K] @ w.T for one bf16 row, by the weight's form: packed int4/int8 or bf16 k-pair tiles. False where
-// neither single-row kernel takes w; x == nullptr: only whether one would.
-bool row_linear(const at::BFloat16* x, int64_t K, const at::Tensor& w, at::BFloat16* y, int64_t N, bool act8) {
+constexpr int64_t kFewRows = 8;  // rows up to which a step may take few_rows_stack (the decode linears' row counts)
+
+// y [M, N] = x [M, K] @ w.T for 1-8 bf16 rows, by the weight's form: packed int4/int8 or bf16 k-pair tiles. False
+// where neither kernel takes w; x == nullptr: only whether one would.
+bool rows_linear(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w, at::BFloat16* y, int64_t N,
+                 bool act8) {
   if (w.is_mkldnn() || w.dim() != 3) return false;
-  if (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) return linear_quant_row(x, K, w, y, N, act8);
-  return linear_bf16w_row(x, K, w, y, N);
+  if (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) return linear_quant_rows(x, M, K, w, y, N, act8);
+  return linear_bf16w_rows(x, M, K, w, y, N);
 }
 
 bool dense_bf16(const at::Tensor& t, int64_t n) {
@@ -89,67 +93,74 @@ int64_t intermediate(const at::Tensor& gate_up) {
   return gate_up.dim() == 3 ? gate_up.size(0) * (gate_up.scalar_type() == at::kBFloat16 ? 8 : 1) : 0;
 }
 
-// The decode step of a single sequence (one bf16 row): the layers of decoder_stack_cpu through the row forms of the
-// same kernels on one workspace, where each op made its output tensor and views (~10 a layer, ~0.3 ms of a ~4 ms
-// single-stream int4 step). The same arithmetic, so the same values. one_row_fits: whether every layer is of what
-// those forms take (no bias, no q/k norm, packed int4/int8 or bf16 k-pair tiled weights, sizes a multiple of 16).
-bool one_row_fits(const at::Tensor& x_in, at::TensorList params, int64_t n_heads, int64_t n_kv_heads,
+// A step of 1-8 bf16 rows (a single stream's decode step, a few streams' together): the layers of decoder_stack_cpu
+// through the same kernels' forms for raw rows on one workspace, where each op made its output tensor and views (~10
+// a layer, ~0.3 ms of a ~4 ms single-stream int4 step). The same arithmetic, so the same values. few_rows_fit:
+// whether every layer is of what those forms take (no bias, no q/k norm, packed int4/int8 or bf16 k-pair tiled
+// weights, sizes a multiple of 16), for bf16 rows.
+bool few_rows_fit(const at::Tensor& x_in, at::TensorList params, int64_t n_heads, int64_t n_kv_heads,
                   int64_t head_dim, at::IntArrayRef windows, bool act8) {
   constexpr int64_t P = kPerLayer;
-  const int64_t layers = static_cast<int64_t>(windows.size()), H = x_in.size(1);
+  const int64_t layers = static_cast<int64_t>(windows.size()), T = x_in.size(0), H = x_in.size(1);
   const int64_t q_size = n_heads * head_dim, qkv_n = q_size + 2 * n_kv_heads * head_dim;
-  if (layers == 0 || x_in.size(0) != 1 || !dense_bf16(x_in, H) || H % 16 != 0) return false;
+  if (layers == 0 || !dense_bf16(x_in, T * H) || H % 16 != 0) return false;
   const int64_t I = intermediate(params[6]);
   if (I == 0 || I % 16 != 0) return false;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* p = params.data() + i * P;
     for (int j : {2, 4, 7, 9, 12, 13})
       if (p[j].numel() > 0) return false;
-    if (!dense_bf16(p[0], H) || !dense_bf16(p[5], H) || !row_linear(nullptr, H, p[1], nullptr, qkv_n, act8) ||
-        !row_linear(nullptr, q_size, p[3], nullptr, H, act8) || !row_linear(nullptr, H, p[6], nullptr, 2 * I, act8) ||
-        !row_linear(nullptr, I, p[8], nullptr, H, act8))
+    if (!dense_bf16(p[0], H) || !dense_bf16(p[5], H) || !rows_linear(nullptr, 1, H, p[1], nullptr, qkv_n, act8) ||
+        !rows_linear(nullptr, 1, q_size, p[3], nullptr, H, act8) ||
+        !rows_linear(nullptr, 1, H, p[6], nullptr, 2 * I, act8) || !rows_linear(nullptr, 1, I, p[8], nullptr, H, act8))
       return false;
   }
   return true;
 }
 
-std::tuple<at::Tensor, at::Tensor> one_row_stack(
+std::tuple<at::Tensor, at::Tensor> few_rows_stack(
     const at::Tensor& x_in, const at::Tensor& positions, at::TensorList params, at::TensorList caches,
     const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& seq_lens,
-    const at::Tensor& block_tables, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double scale, double eps,
-    double norm_offset, at::IntArrayRef windows, bool act8, const c10::optional<at::Tensor>& final_norm) {
+    const at::Tensor& block_tables, int64_t max_query_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+    double scale, double eps, double norm_offset, at::IntArrayRef windows, bool act8,
+    const c10::optional<at::Tensor>& final_norm) {
   constexpr int64_t P = kPerLayer;
-  const int64_t layers = static_cast<int64_t>(windows.size()), H = x_in.size(1);
+  const int64_t layers = static_cast<int64_t>(windows.size()), T = x_in.size(0), H = x_in.size(1);
   const int64_t q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim, qkv_n = q_size + 2 * kv_size;
   const int64_t I = intermediate(params[6]);
-  // the residual, the layer's output x, the normed h, o's output, qkv, gate_up, and silu * up
-  at::Tensor ws = at::empty({4 * H + qkv_n + 3 * I}, x_in.options());
+  // [T, n] each: the residual, the layer's output x, the normed h, o's output, qkv, gate_up, and silu * up
+  at::Tensor ws = at::empty({T, 4 * H + qkv_n + 3 * I}, x_in.options());
   at::BFloat16* res = ws.data_ptr<at::BFloat16>();
-  at::BFloat16 *x = res + H, *h = x + H, *o = h + H, *qkv = o + H, *gu = qkv + qkv_n, *act = gu + 2 * I;
-  at::Tensor q = ws.narrow(0, 4 * H, q_size).view({1, n_heads, head_dim});
-  at::Tensor k = ws.narrow(0, 4 * H + q_size, kv_size).view({1, n_kv_heads, head_dim});
-  const at::Tensor v = ws.narrow(0, 4 * H + q_size + kv_size, kv_size).view({1, n_kv_heads, head_dim});
+  at::BFloat16 *x = res + T * H, *h = x + T * H, *o = h + T * H, *qkv = o + T * H, *gu = qkv + T * qkv_n,
+               *act = gu + T * 2 * I;
+  const at::Tensor qkv_t = at::from_blob(qkv, {T, qkv_n}, x_in.options());  // (ws's memory, held by ws)
+  at::Tensor q = qkv_t.narrow(1, 0, q_size).view({T, n_heads, head_dim});
+  at::Tensor k = qkv_t.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
+  const at::Tensor v = qkv_t.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
   const float feps = static_cast<float>(eps), off = static_cast<float>(norm_offset);
   const auto bf = [](const at::Tensor& t) { return t.data_ptr<at::BFloat16>(); };
-  std::memcpy(res, x_in.data_ptr<at::BFloat16>(), H * sizeof(at::BFloat16));  // the first layer's residual: x
+  std::memcpy(res, x_in.data_ptr<at::BFloat16>(), T * H * sizeof(at::BFloat16));  // the first layer's residual: x
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* p = params.data() + i * P;
-    if (i == 0) rms_norm_row_bf16(res, nullptr, nullptr, bf(p[0]), h, H, feps, off);
-    else rms_norm_row_bf16(x, res, res, bf(p[0]), h, H, feps, off);
-    row_linear(h, H, p[1], qkv, qkv_n, act8);
+    for (int64_t t = 0; t < T; ++t) {
+      if (i == 0) rms_norm_row_bf16(res + t * H, nullptr, nullptr, bf(p[0]), h + t * H, H, feps, off);
+      else rms_norm_row_bf16(x + t * H, res + t * H, res + t * H, bf(p[0]), h + t * H, H, feps, off);
+    }
+    rows_linear(h, T, H, p[1], qkv, qkv_n, act8);
     rotary_cpu(q, k, positions, p[10], p[11]);
     at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
     const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
-                                                block_tables, 1, scale, windows[i]);
-    row_linear(bf(attn), q_size, p[3], o, H, act8);
-    rms_norm_row_bf16(o, res, res, bf(p[5]), h, H, feps, off);
-    row_linear(h, H, p[6], gu, 2 * I, act8);
-    silu_and_mul_row_bf16(gu, act, I);
-    row_linear(act, I, p[8], x, H, act8);
+                                                block_tables, max_query_len, scale, windows[i]);
+    rows_linear(bf(attn), T, q_size, p[3], o, H, act8);
+    for (int64_t t = 0; t < T; ++t)
+      rms_norm_row_bf16(o + t * H, res + t * H, res + t * H, bf(p[5]), h + t * H, H, feps, off);
+    rows_linear(h, T, H, p[6], gu, 2 * I, act8);
+    for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
+    rows_linear(act, T, I, p[8], x, H, act8);
   }
-  const at::Tensor xt = ws.narrow(0, H, H).view({1, H}), rt = ws.narrow(0, 0, H).view({1, H});
-  if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xt, rt, *final_norm, eps, norm_offset);
-  return {xt.clone(), rt.clone()};  // (not views of the workspace)
+  const at::Tensor xs = at::from_blob(x, {T, H}, x_in.options()), rs = at::from_blob(res, {T, H}, x_in.options());
+  if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xs, rs, *final_norm, eps, norm_offset);
+  return {xs.clone(), rs.clone()};  // (not views of the workspace)
 }
 #endif
 
@@ -167,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& seq_lens,
     const at::Tensor& block_tables, int64_t max_query_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
     double scale, double eps, double norm_offset, at::IntArrayRef windows, bool act8,
-    const c10::optional<at::Tensor>& final_norm, int64_t* one_row = nullptr) {
+    const c10::optional<at::Tensor>& final_norm, int64_t* few_rows = nullptr) {
   constexpr int64_t P = kPerLayer;
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * P && static_cast<int64_t>(caches.size()) == 2 * layers,
@@ -175,13 +186,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
   TORCH_CHECK(x_in.dim() == 2, "decoder_stack: x must be [T, hidden]");
   const int64_t T = x_in.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
 #ifdef MII_BF16_VEC
-  // a single sequence's decode step: the layers' row forms, where they take every layer (decided at the first such
+  // a step of a few rows: the layers' forms for raw rows, where they take every layer (decided at the first such
   // step, and remembered in the handle: -1 not yet, 0 no, 1 yes)
-  if (T == 1 && one_row != nullptr) {
-    if (*one_row < 0) *one_row = one_row_fits(x_in, params, n_heads, n_kv_heads, head_dim, windows, act8);
-    if (*one_row == 1)
-      return one_row_stack(x_in, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables, n_heads,
-                           n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8, final_norm);
+  if (T >= 1 && T <= kFewRows && few_rows != nullptr) {
+    if (*few_rows < 0) *few_rows = few_rows_fit(x_in, params, n_heads, n_kv_heads, head_dim, windows, act8);
+    if (*few_rows == 1)
+      return few_rows_stack(x_in, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables,
+                            max_query_len, n_heads, n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8,
+                            final_norm);
   }
 #endif
   at::Tensor x = x_in, residual;
@@ -230,7 +242,7 @@ struct StackParams {
   std::vector<at::Tensor>* held;  // params, then caches
   std::vector<int64_t>* windows;
   int64_t n_params;
-  int64_t one_row = -1;  // whether a single row's step takes one_row_stack: -1 not known yet, 0 no, 1 yes
+  int64_t few_rows = -1;  // whether a step of 1-8 rows takes few_rows_stack: -1 not known yet, 0 no, 1 yes
 };
 
 StackParams& held_stack(const at::Tensor& handle) {
@@ -273,16 +285,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_held_cpu(
   const at::TensorList all(*h.held);
   return decoder_stack_cpu(x, positions, all.slice(0, h.n_params), all.slice(h.n_params), slot_mapping, query_start,
                            seq_lens, block_tables, max_query_len, n_heads, n_kv_heads, head_dim, scale, eps,
-                           norm_offset, *h.windows, act8, final_norm, &h.one_row);
+                           norm_offset, *h.windows, act8, final_norm, &h.few_rows);
 }
 
-// mii::stack_one_row: whether a handle's single-row steps take one_row_stack (-1: none has run yet, 0: no, 1: yes)
-int64_t stack_one_row_cpu(const at::Tensor& handle) { return held_stack(handle).one_row; }
+// mii::stack_few_rows: whether a handle's steps of 1-8 rows take few_rows_stack (-1: none has run yet, 0: no, 1: yes)
+int64_t stack_few_rows_cpu(const at::Tensor& handle) { return held_stack(handle).few_rows; }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) {
   m.impl("stack_params", &stack_params_cpu);
   m.impl("decoder_stack", &decoder_stack_held_cpu);
-  m.impl("stack_one_row", &stack_one_row_cpu);
+  m.impl("stack_few_rows", &stack_few_rows_cpu);
 }
 // (oneDNN-prepacked weights among the parameters make the dispatcher pick this key)
 TORCH_LIBRARY_IMPL(mii, MkldnnCPU, m) { m.impl("stack_params", &stack_params_cpu); }

@@ -536,21 +536,30 @@ at::Tensor linear_output(at::Tensor y, const at::Tensor& x, const c10::optional<
   return y.view(sizes);
 }
 
-// One bf16 row x [K] through k-pair tiles [N rows, K] (contiguous, no bias) into y [N], bf16 rounded as
-// linear_output rounds: linear_bf16w_cpu's single-row path without its tensors (mii::decoder_stack's single-row
-// layers). False for a weight of another form, or where this CPU has no native bf16 dot products; x == nullptr:
-// only whether it would take the weight (its shape checked).
-bool linear_bf16w_row(const at::BFloat16* x, int64_t K, const at::Tensor& weight, at::BFloat16* y, int64_t N) {
+// M = 1-8 bf16 rows x [M, K] through k-pair tiles [N rows, K] (contiguous, no bias) into y [M, N], bf16:
+// linear_bf16w_cpu's path for them without its tensors (mii::decoder_stack's few-row steps), the same values (AMX
+// from kAmxRows rows where it is usable, writing bf16; else vdpbf16ps and y rounded as linear_output rounds). False
+// for a weight of another form, or where this CPU has no native bf16 dot products; x == nullptr: only whether it
+// would take the weight (its shape checked).
+bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
+                       int64_t N) {
 #ifdef MII_BF16DP
   if (weight.dim() != 3 || weight.size(2) != kPairTile || weight.scalar_type() != at::kBFloat16) return false;
   TORCH_CHECK(weight.size(0) * 16 == N && weight.size(1) * 2 == K && weight.is_contiguous(), "decoder_stack: a weight of ",
               weight.size(0) * 16, " x ", weight.size(1) * 2, " where ", N, " x ", K, " was expected");
   if (x == nullptr) return true;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x);
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+#ifdef MII_AMX
+  if (M >= kAmxRows && K % 32 == 0 && mii_vec::amx_usable()) {
+    kpair_gemm_amx(xp, M, K, wp, N, nullptr, y);
+    return true;
+  }
+#endif
   thread_local std::vector<float> acc;
-  if (static_cast<int64_t>(acc.size()) < N) acc.resize(N);
-  kpair_gemm(reinterpret_cast<const uint16_t*>(x), 1, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), N,
-             acc.data());
-  for (int64_t i = 0; i < N; i += 16) mii_vec::bf16_store(y + i, _mm512_loadu_ps(acc.data() + i));
+  if (static_cast<int64_t>(acc.size()) < M * N) acc.resize(M * N);
+  kpair_gemm(xp, M, K, wp, N, acc.data());
+  for (int64_t i = 0; i < M * N; i += 16) mii_vec::bf16_store(y + i, _mm512_loadu_ps(acc.data() + i));
   return true;
 #else
   return false;

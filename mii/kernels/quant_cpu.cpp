@@ -636,10 +636,13 @@ void decode_rows(const T* x, const uint8_t* w, const Layout& L, Out* y, bool act
 }
 #endif
 
-void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
 #ifdef MII_QVNNI
-  TORCH_CHECK(M >= 2 && M < kTileMinRows, "linear_quant: ", M, " rows in the decode kernel");
+// decode_rows for M = 1-8 rows
+template <typename T, typename Out>
+void decode_any(const T* x, int64_t M, const uint8_t* w, const Layout& L, Out* y, bool act8) {
+  TORCH_CHECK(M >= 1 && M < kTileMinRows, "linear_quant: ", M, " rows in the decode kernel");
   switch (M) {  // (from 9 rows on: vnni_gemm)
+    case 1: return decode_rows<1>(x, w, L, y, act8);
     case 2: return decode_rows<2>(x, w, L, y, act8);
     case 3: return decode_rows<3>(x, w, L, y, act8);
     case 4: return decode_rows<4>(x, w, L, y, act8);
@@ -648,6 +651,12 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
     case 7: return decode_rows<7>(x, w, L, y, act8);
     default: return decode_rows<8>(x, w, L, y, act8);
   }
+}
+#endif
+
+void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
+#ifdef MII_QVNNI
+  decode_any(x, M, w, L, y, act8);
 #else
   const int64_t N = L.N(), K = L.K();
   if (L.int4 && act8) {
@@ -1379,16 +1388,17 @@ void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Te
 
 }  // namespace
 
-// One bf16 row x [K] through a packed weight [N rows, K] (contiguous, no bias) into y [N], bf16: linear_quant_cpu's
-// single-row path without its tensors (mii::decoder_stack's single-row layers). False where this CPU has no such
-// path; x == nullptr: only whether it would take the weight (its shape checked).
-bool linear_quant_row(const at::BFloat16* x, int64_t K, const at::Tensor& weight, at::BFloat16* y, int64_t N,
-                      bool act8) {
+// M = 1-8 bf16 rows x [M, K] through a packed weight [N rows, K] (contiguous, no bias) into y [M, N], bf16:
+// linear_quant_cpu's decode rows without its tensors (mii::decoder_stack's few-row steps), the same values (bf16 x
+// widened exactly, y rounded as linear_output rounds). False where this CPU has no such path; x == nullptr: only
+// whether it would take the weight (its shape checked).
+bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
+                       int64_t N, bool act8) {
 #ifdef MII_QVNNI
   const Layout L = layout_of(weight);
   TORCH_CHECK(L.N() == N && L.K() == K && weight.is_contiguous(), "decoder_stack: a weight of ", L.N(), " x ", L.K(),
               " where ", N, " x ", K, " was expected");
-  if (x != nullptr) decode_rows<1>(x, static_cast<const uint8_t*>(weight.data_ptr()), L, y, act8);
+  if (x != nullptr) decode_any(x, M, static_cast<const uint8_t*>(weight.data_ptr()), L, y, act8);
   return true;
 #else
   return false;

@@ -2,7 +2,7 @@
 layers' own forward and the last norm on the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head, or on CPUs with native bf16 its weights prepacked for
 oneDNN; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
-sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations), single rows through its row path included;
+sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations), steps of 1-8 rows through its few-rows path included;
 and the architectures it does not cover keep the layers."""
 import pytest
 import torch
@@ -72,25 +72,27 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         # prompts longer than the step budget: chunks of several steps next to decode rows
         outs = pipe(prompts_for(VOCAB, lengths=(5, 37, 90, 3)), max_new_tokens=10, do_sample=False,
                     ignore_eos=True)
-        # one sequence alone: its decode steps are single rows (the stack's row path where it takes the layers)
+        # steps of 1-8 rows (the stack's few-rows path, where it takes the layers): one sequence alone (single
+        # decode rows), and two short prompts (a first step of 6 rows, two prompt chunks, then pairs of decode rows)
         outs += pipe(prompts_for(VOCAB, lengths=(21,)), max_new_tokens=12, do_sample=False, ignore_eos=True)
-        assert len(same) > 20 and all(same), same
+        outs += pipe(prompts_for(VOCAB, lengths=(2, 4)), max_new_tokens=12, do_sample=False, ignore_eos=True)
+        assert len(same) > 30 and all(same), same
         assert all(o.generated_length in (10, 12) for o in outs)
-        # the row path takes bf16 rows through layers without biases or q/k norms (Qwen2's and Qwen3's keep the
+        # the few-rows path takes bf16 rows through layers without biases or q/k norms (Qwen2's and Qwen3's keep the
         # layers' ops), whose weights are k-pair tiles (bf16 on CPUs with native bf16 dot products) or packed int4 /
         # int8 (on CPUs with AVX512-VNNI and VBMI)
         plan = pipe.engine_plan
         row_kernels = ROW_KERNELS_QUANT <= cpu_flags() if extra else plan.bf16_kpairs
         takes = case.startswith(("llama", "mistral")) and plan.torch_dtype == torch.bfloat16 and row_kernels
-        assert torch.ops.mii.stack_one_row(model.model.stack["held"]) == int(takes)
+        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == int(takes)
     finally:
         pipe.destroy()
 
 
 def test_the_embedded_model_alone_equals_its_layers():
     """The embedded SmolLM2 in its own plan (int4 layers from its GGUF's blocks), one sequence alone: every decode
-    step is a single row, which takes the stack's row path on CPUs with its kernels; each step's logits equal the
-    layers'."""
+    step is a single row, which takes the stack's few-rows path on CPUs with its kernels; each step's logits equal
+    the layers'."""
     pipe = mii.pipeline()
     try:
         model, plan = pipe.engine.loaded.model, pipe.engine_plan
@@ -98,7 +100,7 @@ def test_the_embedded_model_alone_equals_its_layers():
         out = pipe("The capital of France is", max_new_tokens=12, do_sample=False, ignore_eos=True)[0]
         assert out.generated_length == 12 and len(same) == 12 and all(same), same
         takes = plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()
-        assert torch.ops.mii.stack_one_row(model.model.stack["held"]) == int(takes)
+        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == int(takes)
     finally:
         pipe.destroy()
 
