@@ -1415,13 +1415,14 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
 #ifdef MII_QVNNI
-  // one bf16 row without a bias (single-stream decode): y written in bf16 by the kernel, no fp32 copy of x or y
-  if (M == 1 && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
+  // 1-8 bf16 rows without a bias (decode): y written in bf16 by the kernel, no fp32 copy of x or y (the LM head of
+  // 2-8 streams: 8 streams' int4 steps ~1% faster, alternated; 4 even)
+  if (M >= 1 && M < kTileMinRows && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
       && !(bias.has_value() && bias->defined())) {
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     at::Tensor out = at::empty(sizes, x.options());
-    decode_rows<1>(x2.data_ptr<at::BFloat16>(), wp, L, out.data_ptr<at::BFloat16>(), act8);
+    decode_any(x2.data_ptr<at::BFloat16>(), M, wp, L, out.data_ptr<at::BFloat16>(), act8);
     return out;
   }
 #endif
