@@ -52,6 +52,17 @@ inline void bf16_store(void* p, __m512 v) {
   _mm256_storeu_si256(static_cast<__m256i*>(p), bf16_round(v));
 }
 
+// y [M, N] = bf16(acc + bias) (bias [N] bf16, or none), as linear_output rounds a linear's fp32 sums (N % 16 == 0)
+inline void round_rows(const float* acc, const void* bias, void* y, int64_t M, int64_t N) {
+  const auto* b = static_cast<const uint16_t*>(bias);
+  auto* out = static_cast<uint16_t*>(y);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < N; i += 16) {
+      const __m512 v = _mm512_loadu_ps(acc + m * N + i);
+      bf16_store(out + m * N + i, b ? _mm512_add_ps(v, bf16_load(b + i)) : v);
+    }
+}
+
 // v as bf16 would hold it, back in fp32 (the eager code's rounding to the model dtype between two ops)
 inline __m512 bf16_rounded(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));

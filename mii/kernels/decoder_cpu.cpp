@@ -32,10 +32,10 @@ at::Tensor linear_bf16w_cpu(const at::Tensor& x, const at::Tensor& weight, const
 at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                             bool act8);
 // and their forms for a few rows on raw bf16 rows (see there)
-bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
-                       int64_t N, bool act8);
-bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
-                       int64_t N);
+bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, const at::BFloat16* bias,
+                       at::BFloat16* y, int64_t N, bool act8);
+bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, const at::BFloat16* bias,
+                       at::BFloat16* y, int64_t N);
 void rms_norm_row_bf16(const at::BFloat16* x, const at::BFloat16* residual, at::BFloat16* res_out,
                        const at::BFloat16* w, at::BFloat16* y, int64_t n, float eps, float offset);
 void silu_and_mul_row_bf16(const at::BFloat16* gate_up, at::BFloat16* y, int64_t n);
@@ -74,17 +74,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 #ifdef MII_BF16_VEC
 constexpr int64_t kFewRows = 8;  // rows up to which a step may take few_rows_stack (the decode linears' row counts)
 
-// y [M, N] = x [M, K] @ w.T for 1-8 bf16 rows, by the weight's form: packed int4/int8 or bf16 k-pair tiles. False
-// where neither kernel takes w; x == nullptr: only whether one would.
-bool rows_linear(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w, at::BFloat16* y, int64_t N,
-                 bool act8) {
-  if (w.is_mkldnn() || w.dim() != 3) return false;
-  if (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) return linear_quant_rows(x, M, K, w, y, N, act8);
-  return linear_bf16w_rows(x, M, K, w, y, N);
-}
-
 bool dense_bf16(const at::Tensor& t, int64_t n) {
   return t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n;
+}
+
+// y [M, N] = x [M, K] @ w.T + b for 1-8 bf16 rows, by the weight's form: packed int4/int8 or bf16 k-pair tiles; b
+// (empty: none) added to the fp32 sums. False where neither kernel takes w or the bias is not a dense bf16 [N];
+// x == nullptr: only whether they would.
+bool rows_linear(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& b,
+                 at::BFloat16* y, int64_t N, bool act8) {
+  if (w.is_mkldnn() || w.dim() != 3 || (b.numel() > 0 && !dense_bf16(b, N))) return false;
+  const at::BFloat16* bias = b.numel() > 0 && x != nullptr ? b.data_ptr<at::BFloat16>() : nullptr;
+  const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
+  return quantized ? linear_quant_rows(x, M, K, w, bias, y, N, act8) : linear_bf16w_rows(x, M, K, w, bias, y, N);
 }
 
 // the MLP's intermediate size from its gate_up weight (int4/int8: a pair of rows a slice; k-pair tiles: 16); 0 for
@@ -96,23 +98,26 @@ int64_t intermediate(const at::Tensor& gate_up) {
 // A step of 1-8 bf16 rows (a single stream's decode step, a few streams' together): the layers of decoder_stack_cpu
 // through the same kernels' forms for raw rows on one workspace, where each op made its output tensor and views (~10
 // a layer, ~0.3 ms of a ~4 ms single-stream int4 step). The same arithmetic, so the same values. few_rows_fit:
-// whether every layer is of what those forms take (no bias, no q/k norm, packed int4/int8 or bf16 k-pair tiled
-// weights, sizes a multiple of 16), for bf16 rows.
+// whether every layer is of what those forms take (packed int4/int8 or bf16 k-pair tiled weights, bf16 biases on
+// qkv and gate_up (none on o and down, which add theirs after the rounding), bf16 q/k norms, sizes a multiple of
+// 16), for bf16 rows.
 bool few_rows_fit(const at::Tensor& x_in, at::TensorList params, int64_t n_heads, int64_t n_kv_heads,
                   int64_t head_dim, at::IntArrayRef windows, bool act8) {
   constexpr int64_t P = kPerLayer;
   const int64_t layers = static_cast<int64_t>(windows.size()), T = x_in.size(0), H = x_in.size(1);
   const int64_t q_size = n_heads * head_dim, qkv_n = q_size + 2 * n_kv_heads * head_dim;
-  if (layers == 0 || !dense_bf16(x_in, T * H) || H % 16 != 0) return false;
+  if (layers == 0 || !dense_bf16(x_in, T * H) || H % 16 != 0 || head_dim % 16 != 0) return false;
   const int64_t I = intermediate(params[6]);
   if (I == 0 || I % 16 != 0) return false;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* p = params.data() + i * P;
-    for (int j : {2, 4, 7, 9, 12, 13})
-      if (p[j].numel() > 0) return false;
-    if (!dense_bf16(p[0], H) || !dense_bf16(p[5], H) || !rows_linear(nullptr, 1, H, p[1], nullptr, qkv_n, act8) ||
-        !rows_linear(nullptr, 1, q_size, p[3], nullptr, H, act8) ||
-        !rows_linear(nullptr, 1, H, p[6], nullptr, 2 * I, act8) || !rows_linear(nullptr, 1, I, p[8], nullptr, H, act8))
+    const bool qk_norm = p[12].numel() > 0;
+    if (!dense_bf16(p[0], H) || !dense_bf16(p[5], H) ||
+        (qk_norm && !(dense_bf16(p[12], head_dim) && dense_bf16(p[13], head_dim))) ||
+        !rows_linear(nullptr, 1, H, p[1], p[2], nullptr, qkv_n, act8) ||
+        p[4].numel() > 0 || p[9].numel() > 0 || !rows_linear(nullptr, 1, q_size, p[3], p[4], nullptr, H, act8) ||
+        !rows_linear(nullptr, 1, H, p[6], p[7], nullptr, 2 * I, act8) ||
+        !rows_linear(nullptr, 1, I, p[8], p[9], nullptr, H, act8))
       return false;
   }
   return true;
@@ -146,17 +151,24 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
       if (i == 0) rms_norm_row_bf16(res + t * H, nullptr, nullptr, bf(p[0]), h + t * H, H, feps, off);
       else rms_norm_row_bf16(x + t * H, res + t * H, res + t * H, bf(p[0]), h + t * H, H, feps, off);
     }
-    rows_linear(h, T, H, p[1], qkv, qkv_n, act8);
+    rows_linear(h, T, H, p[1], p[2], qkv, qkv_n, act8);
+    if (p[12].numel() > 0) {  // one RMSNorm over head_dim for every head (Qwen3), in place
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < n_heads + n_kv_heads; ++j) {
+          at::BFloat16* row = qkv + t * qkv_n + j * head_dim;
+          rms_norm_row_bf16(row, nullptr, nullptr, bf(p[j < n_heads ? 12 : 13]), row, head_dim, feps, off);
+        }
+    }
     rotary_cpu(q, k, positions, p[10], p[11]);
     at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
     const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
                                                 block_tables, max_query_len, scale, windows[i]);
-    rows_linear(bf(attn), T, q_size, p[3], o, H, act8);
+    rows_linear(bf(attn), T, q_size, p[3], p[4], o, H, act8);
     for (int64_t t = 0; t < T; ++t)
       rms_norm_row_bf16(o + t * H, res + t * H, res + t * H, bf(p[5]), h + t * H, H, feps, off);
-    rows_linear(h, T, H, p[6], gu, 2 * I, act8);
+    rows_linear(h, T, H, p[6], p[7], gu, 2 * I, act8);
     for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
-    rows_linear(act, T, I, p[8], x, H, act8);
+    rows_linear(act, T, I, p[8], p[9], x, H, act8);
   }
   const at::Tensor xs = at::from_blob(x, {T, H}, x_in.options()), rs = at::from_blob(res, {T, H}, x_in.options());
   if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xs, rs, *final_norm, eps, norm_offset);

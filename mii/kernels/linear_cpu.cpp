@@ -536,13 +536,13 @@ at::Tensor linear_output(at::Tensor y, const at::Tensor& x, const c10::optional<
   return y.view(sizes);
 }
 
-// M = 1-8 bf16 rows x [M, K] through k-pair tiles [N rows, K] (contiguous, no bias) into y [M, N], bf16:
-// linear_bf16w_cpu's path for them without its tensors (mii::decoder_stack's few-row steps), the same values (AMX
-// from kAmxRows rows where it is usable, writing bf16; else vdpbf16ps and y rounded as linear_output rounds). False
-// for a weight of another form, or where this CPU has no native bf16 dot products; x == nullptr: only whether it
-// would take the weight (its shape checked).
-bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
-                       int64_t N) {
+// M = 1-8 bf16 rows x [M, K] through k-pair tiles [N rows, K] (contiguous) plus a bias (bf16 [N], or none) into y
+// [M, N], bf16: linear_bf16w_cpu's path for them without its tensors (mii::decoder_stack's few-row steps), the same
+// values (without a bias, AMX from kAmxRows rows where it is usable, writing bf16; else the fp32 sums plus the bias,
+// rounded as linear_output rounds). False for a weight of another form, or where this CPU has no native bf16 dot
+// products; x == nullptr: only whether it would take the weight (its shape checked).
+bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, const at::BFloat16* bias,
+                       at::BFloat16* y, int64_t N) {
 #ifdef MII_BF16DP
   if (weight.dim() != 3 || weight.size(2) != kPairTile || weight.scalar_type() != at::kBFloat16) return false;
   TORCH_CHECK(weight.size(0) * 16 == N && weight.size(1) * 2 == K && weight.is_contiguous(), "decoder_stack: a weight of ",
@@ -551,7 +551,7 @@ bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Te
   const auto* xp = reinterpret_cast<const uint16_t*>(x);
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
 #ifdef MII_AMX
-  if (M >= kAmxRows && K % 32 == 0 && mii_vec::amx_usable()) {
+  if (bias == nullptr && M >= kAmxRows && K % 32 == 0 && mii_vec::amx_usable()) {
     kpair_gemm_amx(xp, M, K, wp, N, nullptr, y);
     return true;
   }
@@ -559,7 +559,7 @@ bool linear_bf16w_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Te
   thread_local std::vector<float> acc;
   if (static_cast<int64_t>(acc.size()) < M * N) acc.resize(M * N);
   kpair_gemm(xp, M, K, wp, N, acc.data());
-  for (int64_t i = 0; i < M * N; i += 16) mii_vec::bf16_store(y + i, _mm512_loadu_ps(acc.data() + i));
+  mii_vec::round_rows(acc.data(), bias, y, M, N);
   return true;
 #else
   return false;

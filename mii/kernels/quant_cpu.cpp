@@ -1388,17 +1388,25 @@ void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Te
 
 }  // namespace
 
-// M = 1-8 bf16 rows x [M, K] through a packed weight [N rows, K] (contiguous, no bias) into y [M, N], bf16:
-// linear_quant_cpu's decode rows without its tensors (mii::decoder_stack's few-row steps), the same values (bf16 x
-// widened exactly, y rounded as linear_output rounds). False where this CPU has no such path; x == nullptr: only
-// whether it would take the weight (its shape checked).
-bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, at::BFloat16* y,
-                       int64_t N, bool act8) {
+// M = 1-8 bf16 rows x [M, K] through a packed weight [N rows, K] (contiguous) plus a bias (bf16 [N], or none) into
+// y [M, N], bf16: linear_quant_cpu's decode rows without its tensors (mii::decoder_stack's few-row steps), the same
+// values (bf16 x widened exactly; y rounded as linear_output rounds, the bias added to the fp32 sums first). False
+// where this CPU has no such path; x == nullptr: only whether it would take the weight (its shape checked).
+bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& weight, const at::BFloat16* bias,
+                       at::BFloat16* y, int64_t N, bool act8) {
 #ifdef MII_QVNNI
   const Layout L = layout_of(weight);
   TORCH_CHECK(L.N() == N && L.K() == K && weight.is_contiguous(), "decoder_stack: a weight of ", L.N(), " x ", L.K(),
               " where ", N, " x ", K, " was expected");
-  if (x != nullptr) decode_any(x, M, static_cast<const uint8_t*>(weight.data_ptr()), L, y, act8);
+  if (x == nullptr) return true;
+  const auto* wp = static_cast<const uint8_t*>(weight.data_ptr());
+  if (bias == nullptr) {
+    decode_any(x, M, wp, L, y, act8);
+  } else {
+    float* acc = reused<float, 3>(M * N);
+    decode_any(x, M, wp, L, acc, act8);
+    mii_vec::round_rows(acc, bias, y, M, N);
+  }
   return true;
 #else
   return false;

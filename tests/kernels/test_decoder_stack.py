@@ -33,6 +33,15 @@ CASES = {
 ROW_KERNELS_QUANT = {"avx512bw", "avx512_vnni", "avx512vbmi"}  # the packed int4/int8 weights' single-row kernel
 
 
+def _random_norms_and_biases(model):
+    """Norm weights start at 1 and biases at 0: make them matter."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, mean=1.0, std=0.5)
+        elif name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.1)
+
+
 def _both_paths_per_step(pipe):
     """Run every step twice, through mii::decoder_stack and through the layers (the same KV slots are written with
     the same values), and collect whether each step's logits were identical."""
@@ -55,7 +64,7 @@ def _both_paths_per_step(pipe):
 @pytest.mark.parametrize("case", CASES)
 def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
     cfg, dtype, *extra = CASES[case]
-    path = tiny_checkpoint(cfg, tmp_path, tokenizer_dir)
+    path = tiny_checkpoint(cfg, tmp_path, tokenizer_dir, post_init=_random_norms_and_biases)
     pipe = mii.pipeline(str(path), dtype=dtype, inference_engine_config={
         "state_manager": {"max_ragged_batch_size": 40, "kv_block_size": 8}}, **(extra[0] if extra else {}))
     try:
@@ -78,12 +87,11 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         outs += pipe(prompts_for(VOCAB, lengths=(2, 4)), max_new_tokens=12, do_sample=False, ignore_eos=True)
         assert len(same) > 30 and all(same), same
         assert all(o.generated_length in (10, 12) for o in outs)
-        # the few-rows path takes bf16 rows through layers without biases or q/k norms (Qwen2's and Qwen3's keep the
-        # layers' ops), whose weights are k-pair tiles (bf16 on CPUs with native bf16 dot products) or packed int4 /
-        # int8 (on CPUs with AVX512-VNNI and VBMI)
+        # the few-rows path takes bf16 rows (Qwen2's biases and Qwen3's q/k norms too) through weights that are k-pair
+        # tiles (bf16 on CPUs with native bf16 dot products) or packed int4 / int8 (on CPUs with AVX512-VNNI and VBMI)
         plan = pipe.engine_plan
         row_kernels = ROW_KERNELS_QUANT <= cpu_flags() if extra else plan.bf16_kpairs
-        takes = case.startswith(("llama", "mistral")) and plan.torch_dtype == torch.bfloat16 and row_kernels
+        takes = plan.torch_dtype == torch.bfloat16 and row_kernels
         assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == int(takes)
     finally:
         pipe.destroy()
