@@ -114,8 +114,8 @@ bool few_rows_fit(const at::Tensor& x_in, at::TensorList params, int64_t n_heads
     const bool qk_norm = p[12].numel() > 0;
     if (!dense_bf16(p[0], H) || !dense_bf16(p[5], H) ||
         (qk_norm && !(dense_bf16(p[12], head_dim) && dense_bf16(p[13], head_dim))) ||
-        !rows_linear(nullptr, 1, H, p[1], p[2], nullptr, qkv_n, act8) ||
-        p[4].numel() > 0 || p[9].numel() > 0 || !rows_linear(nullptr, 1, q_size, p[3], p[4], nullptr, H, act8) ||
+        p[4].numel() > 0 || p[9].numel() > 0 || !rows_linear(nullptr, 1, H, p[1], p[2], nullptr, qkv_n, act8) ||
+        !rows_linear(nullptr, 1, q_size, p[3], p[4], nullptr, H, act8) ||
         !rows_linear(nullptr, 1, H, p[6], p[7], nullptr, 2 * I, act8) ||
         !rows_linear(nullptr, 1, I, p[8], p[9], nullptr, H, act8))
       return false;
@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
   const int64_t q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim, qkv_n = q_size + 2 * kv_size;
   const int64_t I = intermediate(params[6]);
   // [T, n] each: the residual, the layer's output x, the normed h, o's output, qkv, gate_up, and silu * up
-  at::Tensor ws = at::empty({T, 4 * H + qkv_n + 3 * I}, x_in.options());
+  const at::Tensor ws = at::empty({T * (4 * H + qkv_n + 3 * I)}, x_in.options());
   at::BFloat16* res = ws.data_ptr<at::BFloat16>();
   at::BFloat16 *x = res + T * H, *h = x + T * H, *o = h + T * H, *qkv = o + T * H, *gu = qkv + T * qkv_n,
                *act = gu + T * 2 * I;
