@@ -79,14 +79,24 @@ bool dense_bf16(const at::Tensor& t, int64_t n) {
 }
 
 // y [M, N] = x [M, K] @ w.T + b for 1-8 bf16 rows, by the weight's form: packed int4/int8 or bf16 k-pair tiles; b
-// (empty: none) added to the fp32 sums. False where neither kernel takes w or the bias is not a dense bf16 [N];
-// x == nullptr: only whether they would.
+// (empty: none) added to the fp32 sums, or after the rounding (`bias_after`, as linear() above: y + b in bf16, as
+// torch adds two bf16 tensors). False where neither kernel takes w or the bias is not a dense bf16 [N]; x ==
+// nullptr: only whether they would.
 bool rows_linear(const at::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& b,
-                 at::BFloat16* y, int64_t N, bool act8) {
+                 at::BFloat16* y, int64_t N, bool act8, bool bias_after = false) {
   if (w.is_mkldnn() || w.dim() != 3 || (b.numel() > 0 && !dense_bf16(b, N))) return false;
-  const at::BFloat16* bias = b.numel() > 0 && x != nullptr ? b.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* bp = b.numel() > 0 && x != nullptr ? b.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* bias = bias_after ? nullptr : bp;
   const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
-  return quantized ? linear_quant_rows(x, M, K, w, bias, y, N, act8) : linear_bf16w_rows(x, M, K, w, bias, y, N);
+  if (!(quantized ? linear_quant_rows(x, M, K, w, bias, y, N, act8) : linear_bf16w_rows(x, M, K, w, bias, y, N)))
+    return false;
+  if (bias_after && bp != nullptr)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < N; i += 16) {
+        at::BFloat16* yi = y + m * N + i;
+        mii_vec::bf16_store(yi, _mm512_add_ps(mii_vec::bf16_load(yi), mii_vec::bf16_load(bp + i)));
+      }
+  return true;
 }
 
 // the MLP's intermediate size from its gate_up weight (int4/int8: a pair of rows a slice; k-pair tiles: 16); 0 for
@@ -98,9 +108,8 @@ int64_t intermediate(const at::Tensor& gate_up) {
 // A step of 1-8 bf16 rows (a single stream's decode step, a few streams' together): the layers of decoder_stack_cpu
 // through the same kernels' forms for raw rows on one workspace, where each op made its output tensor and views (~10
 // a layer, ~0.3 ms of a ~4 ms single-stream int4 step). The same arithmetic, so the same values. few_rows_fit:
-// whether every layer is of what those forms take (packed int4/int8 or bf16 k-pair tiled weights, bf16 biases on
-// qkv and gate_up (none on o and down, which add theirs after the rounding), bf16 q/k norms, sizes a multiple of
-// 16), for bf16 rows.
+// whether every layer is of what those forms take (packed int4/int8 or bf16 k-pair tiled weights, bf16 biases and
+// q/k norms, sizes a multiple of 16), for bf16 rows.
 bool few_rows_fit(const at::Tensor& x_in, at::TensorList params, int64_t n_heads, int64_t n_kv_heads,
                   int64_t head_dim, at::IntArrayRef windows, bool act8) {
   constexpr int64_t P = kPerLayer;
@@ -114,7 +123,7 @@ bool few_rows_fit(const at::Tensor& x_in, at::TensorList params, int64_t n_heads
     const bool qk_norm = p[12].numel() > 0;
     if (!dense_bf16(p[0], H) || !dense_bf16(p[5], H) ||
         (qk_norm && !(dense_bf16(p[12], head_dim) && dense_bf16(p[13], head_dim))) ||
-        p[4].numel() > 0 || p[9].numel() > 0 || !rows_linear(nullptr, 1, H, p[1], p[2], nullptr, qkv_n, act8) ||
+        !rows_linear(nullptr, 1, H, p[1], p[2], nullptr, qkv_n, act8) ||
         !rows_linear(nullptr, 1, q_size, p[3], p[4], nullptr, H, act8) ||
         !rows_linear(nullptr, 1, H, p[6], p[7], nullptr, 2 * I, act8) ||
         !rows_linear(nullptr, 1, I, p[8], p[9], nullptr, H, act8))
@@ -163,12 +172,12 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
     at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
     const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
                                                 block_tables, max_query_len, scale, windows[i]);
-    rows_linear(bf(attn), T, q_size, p[3], p[4], o, H, act8);
+    rows_linear(bf(attn), T, q_size, p[3], p[4], o, H, act8, /*bias_after=*/true);
     for (int64_t t = 0; t < T; ++t)
       rms_norm_row_bf16(o + t * H, res + t * H, res + t * H, bf(p[5]), h + t * H, H, feps, off);
     rows_linear(h, T, H, p[6], p[7], gu, 2 * I, act8);
     for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
-    rows_linear(act, T, I, p[8], p[9], x, H, act8);
+    rows_linear(act, T, I, p[8], p[9], x, H, act8, /*bias_after=*/true);
   }
   const at::Tensor xs = at::from_blob(x, {T, H}, x_in.options()), rs = at::from_blob(res, {T, H}, x_in.options());
   if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xs, rs, *final_norm, eps, norm_offset);

@@ -176,9 +176,11 @@ def llama_like(hf: dict, **overrides) -> ArchConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_ids(hf.get("eos_token_id")),
     )
+    # transformers' `attention_bias` puts a bias on o_proj too (Llama, Qwen3, Gemma); a family whose biases differ
+    # (Qwen2: q/k/v only, with no such key) says so in its own `extra`, which comes on top
+    extra = {"o_proj_bias": bool(hf.get("attention_bias", False)), **dict(overrides.pop("extra", None) or {})}
     values.update(overrides)
-    if isinstance(values.get("extra"), dict):
-        values["extra"] = MappingProxyType(values["extra"])
+    values["extra"] = MappingProxyType(extra)
     return ArchConfig(**values)
 
 

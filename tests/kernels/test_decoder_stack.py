@@ -1,7 +1,7 @@
 """mii::decoder_stack (all pre-norm decoder layers of a step, and the model's last norm, in one C++ call) against the
 layers' own forward and the last norm on the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head, or on CPUs with native bf16 its weights prepacked for
-oneDNN; Qwen2's qkv bias; Qwen3's q/k norm; Mistral's
+oneDNN; Qwen2's qkv bias; Llama's optional biases on all its linears; Qwen3's q/k norm; Mistral's
 sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations), steps of 1-8 rows through its few-rows path included;
 and the architectures it does not cover keep the layers."""
 import pytest
@@ -20,6 +20,7 @@ VOCAB = 49152
 CASES = {
     "llama-tied-bf16w": (LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, **TINY), "auto"),
     "qwen2-qkv-bias": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto"),
+    "llama-all-biases": (LlamaConfig(vocab_size=VOCAB, attention_bias=True, mlp_bias=True, **TINY), "auto"),
     "qwen3-qk-norm": (Qwen3Config(vocab_size=VOCAB, head_dim=16, **TINY), "auto"),
     "mistral-window-fp32": (MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), "float32"),
     "mistral-window-int4": (MistralConfig(vocab_size=VOCAB, sliding_window=16, **TINY), "auto",
@@ -87,7 +88,7 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         outs += pipe(prompts_for(VOCAB, lengths=(2, 4)), max_new_tokens=12, do_sample=False, ignore_eos=True)
         assert len(same) > 30 and all(same), same
         assert all(o.generated_length in (10, 12) for o in outs)
-        # the few-rows path takes bf16 rows (Qwen2's biases and Qwen3's q/k norms too) through weights that are k-pair
+        # the few-rows path takes bf16 rows (biases and Qwen3's q/k norms too) through weights that are k-pair
         # tiles (bf16 on CPUs with native bf16 dot products) or packed int4 / int8 (on CPUs with AVX512-VNNI and VBMI)
         plan = pipe.engine_plan
         row_kernels = ROW_KERNELS_QUANT <= cpu_flags() if extra else plan.bf16_kpairs

@@ -1,4 +1,5 @@
-"""Llama, Mistral and Qwen2 against transformers on tiny random checkpoints (fp32 greedy, chunked prompts)."""
+"""Llama (its optional biases too), Mistral and Qwen2 against transformers on tiny random checkpoints (fp32 greedy,
+chunked prompts)."""
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -38,3 +39,18 @@ def test_qwen2_qkv_bias(tmp_path, tokenizer_dir):
 
     cfg = Qwen2Config(vocab_size=VOCAB, **TINY)
     assert_matches_transformers(tiny_checkpoint(cfg, tmp_path, tokenizer_dir, post_init=nonzero_bias))
+
+
+def test_llama_attention_and_mlp_biases(tmp_path, tokenizer_dir):
+    """`attention_bias` puts a bias on q, k, v and o_proj; `mlp_bias` on gate, up and down: all loaded and applied
+    (o_proj's and down's after the rank's matmul, as a row-parallel linear adds them)."""
+    import torch
+
+    def nonzero_biases(model):
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(p, std=0.3)
+
+    cfg = LlamaConfig(vocab_size=VOCAB, attention_bias=True, mlp_bias=True, **TINY)
+    path = tiny_checkpoint(cfg, tmp_path, tokenizer_dir, post_init=nonzero_biases)
+    assert_matches_transformers(path)
