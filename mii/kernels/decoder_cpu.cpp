@@ -71,8 +71,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   return has_bias && bias_after ? y.add(b) : y;
 }
 
-#ifdef MII_BF16_VEC
 constexpr int64_t kFewRows = 8;  // rows up to which a step may take few_rows_stack (the decode linears' row counts)
+
+#ifdef MII_BF16_VEC
 
 bool dense_bf16(const at::Tensor& t, int64_t n) {
   return t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n;
@@ -206,17 +207,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
               "decoder_stack: ", P, " parameters and 2 caches per layer expected");
   TORCH_CHECK(x_in.dim() == 2, "decoder_stack: x must be [T, hidden]");
   const int64_t T = x_in.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
-#ifdef MII_BF16_VEC
   // a step of a few rows: the layers' forms for raw rows, where they take every layer (decided at the first such
-  // step, and remembered in the handle: -1 not yet, 0 no, 1 yes)
+  // step, and remembered in the handle: -1 not yet, 0 no, 1 yes; no on CPUs without AVX-512)
   if (T >= 1 && T <= kFewRows && few_rows != nullptr) {
+#ifdef MII_BF16_VEC
     if (*few_rows < 0) *few_rows = few_rows_fit(x_in, params, n_heads, n_kv_heads, head_dim, windows, act8);
     if (*few_rows == 1)
       return few_rows_stack(x_in, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables,
                             max_query_len, n_heads, n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8,
                             final_norm);
-  }
+#else
+    *few_rows = 0;
 #endif
+  }
   at::Tensor x = x_in, residual;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* p = params.data() + i * P;
