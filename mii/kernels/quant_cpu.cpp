@@ -654,10 +654,9 @@ void decode_any(const T* x, int64_t M, const uint8_t* w, const Layout& L, Out* y
 }
 #endif
 
+#ifndef MII_QVNNI
+// rows of x (up to kGemvRows) on CPUs with AVX2 but not AVX512-VNNI (there: decode_any)
 void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y, bool act8) {
-#ifdef MII_QVNNI
-  decode_any(x, M, w, L, y, act8);
-#else
   const int64_t N = L.N(), K = L.K();
   if (L.int4 && act8) {
     const XQ<int8_t> X(x, M, K, L.G);
@@ -675,8 +674,8 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
       int8_pair<decltype(R)::value>(pw, L, X, m0, y, N, p);
     });
   }
-#endif
 }
+#endif
 #endif  // MII_QAVX2
 
 #ifdef MII_QVNNI
@@ -1452,14 +1451,13 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
     vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }
-  if (M == 1) {  // bf16 x read as it is: no fp32 copy (~0.3 µs)
-    if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous())
-      decode_rows<1>(x2.data_ptr<at::BFloat16>(), wp, L, y.data_ptr<float>(), act8);
-    else
-      decode_rows<1>(linear_input(x2, K).data_ptr<float>(), wp, L, y.data_ptr<float>(), act8);
-    return linear_output(y, x, bias);
-  }
-#endif
+  // 1-8 rows (with a bias, or fp32 x): bf16 x read as it is, no fp32 copy (~0.3 µs a row)
+  if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous())
+    decode_any(x2.data_ptr<at::BFloat16>(), M, wp, L, y.data_ptr<float>(), act8);
+  else
+    decode_any(linear_input(x2, K).data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
+  return linear_output(y, x, bias);
+#else
   const at::Tensor xf = linear_input(x2, K);
 #ifdef MII_QAVX2
   if (M <= kGemvRows)
@@ -1468,6 +1466,7 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 #endif
     blocked_gemm(L.int4 && act8 ? round_x<int8_t>(xf) : round_x<int16_t>(xf), wp, L, y);
   return linear_output(y, x, bias);
+#endif
 }
 
 // rows `ids` of a packed weight as fp32 [*ids.shape, K]: the embedding lookup of a tied, quantized LM head, with
