@@ -43,7 +43,7 @@ log = logging.getLogger("mii")
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "linear_cpu.cpp",
                                                   "quant_cpu.cpp", "decoder_cpu.cpp", "sampler_cpu.cpp")]
-_HEADERS = [Path(__file__).with_name("bf16_vec.h")]  # included by the sources: part of the build's hash
+_HEADERS = [Path(__file__).with_name(n) for n in ("bf16_vec.h", "team.h")]  # included by the sources: part of the build's hash
 _lib = torch.library.Library("mii", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor query_start, Tensor seq_lens, Tensor block_tables, int max_query_len, "

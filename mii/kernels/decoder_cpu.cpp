@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "team.h"
 
 #include <cstring>
 #include <tuple>
@@ -155,31 +156,34 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
   const float feps = static_cast<float>(eps), off = static_cast<float>(norm_offset);
   const auto bf = [](const at::Tensor& t) { return t.data_ptr<at::BFloat16>(); };
   std::memcpy(res, x_in.data_ptr<at::BFloat16>(), T * H * sizeof(at::BFloat16));  // the first layer's residual: x
-  for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor* p = params.data() + i * P;
-    for (int64_t t = 0; t < T; ++t) {
-      if (i == 0) rms_norm_row_bf16(res + t * H, nullptr, nullptr, bf(p[0]), h + t * H, H, feps, off);
-      else rms_norm_row_bf16(x + t * H, res + t * H, res + t * H, bf(p[0]), h + t * H, H, feps, off);
-    }
-    rows_linear(h, T, H, p[1], p[2], qkv, qkv_n, act8);
-    if (p[12].numel() > 0) {  // one RMSNorm over head_dim for every head (Qwen3), in place
+  // the layers in one parallel region: the kernels' threads wait in it between their calls (mii_team::run)
+  mii_team::run([&] {
+    for (int64_t i = 0; i < layers; ++i) {
+      const at::Tensor* p = params.data() + i * P;
+      for (int64_t t = 0; t < T; ++t) {
+        if (i == 0) rms_norm_row_bf16(res + t * H, nullptr, nullptr, bf(p[0]), h + t * H, H, feps, off);
+        else rms_norm_row_bf16(x + t * H, res + t * H, res + t * H, bf(p[0]), h + t * H, H, feps, off);
+      }
+      rows_linear(h, T, H, p[1], p[2], qkv, qkv_n, act8);
+      if (p[12].numel() > 0) {  // one RMSNorm over head_dim for every head (Qwen3), in place
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t j = 0; j < n_heads + n_kv_heads; ++j) {
+            at::BFloat16* row = qkv + t * qkv_n + j * head_dim;
+            rms_norm_row_bf16(row, nullptr, nullptr, bf(p[j < n_heads ? 12 : 13]), row, head_dim, feps, off);
+          }
+      }
+      rotary_cpu(q, k, positions, p[10], p[11]);
+      at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
+      const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
+                                                  block_tables, max_query_len, scale, windows[i]);
+      rows_linear(bf(attn), T, q_size, p[3], p[4], o, H, act8, /*bias_after=*/true);
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t j = 0; j < n_heads + n_kv_heads; ++j) {
-          at::BFloat16* row = qkv + t * qkv_n + j * head_dim;
-          rms_norm_row_bf16(row, nullptr, nullptr, bf(p[j < n_heads ? 12 : 13]), row, head_dim, feps, off);
-        }
+        rms_norm_row_bf16(o + t * H, res + t * H, res + t * H, bf(p[5]), h + t * H, H, feps, off);
+      rows_linear(h, T, H, p[6], p[7], gu, 2 * I, act8);
+      for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
+      rows_linear(act, T, I, p[8], p[9], x, H, act8, /*bias_after=*/true);
     }
-    rotary_cpu(q, k, positions, p[10], p[11]);
-    at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
-    const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
-                                                block_tables, max_query_len, scale, windows[i]);
-    rows_linear(bf(attn), T, q_size, p[3], p[4], o, H, act8, /*bias_after=*/true);
-    for (int64_t t = 0; t < T; ++t)
-      rms_norm_row_bf16(o + t * H, res + t * H, res + t * H, bf(p[5]), h + t * H, H, feps, off);
-    rows_linear(h, T, H, p[6], p[7], gu, 2 * I, act8);
-    for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
-    rows_linear(act, T, I, p[8], p[9], x, H, act8, /*bias_after=*/true);
-  }
+  });
   const at::Tensor xs = at::from_blob(x, {T, H}, x_in.options()), rs = at::from_blob(res, {T, H}, x_in.options());
   if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xs, rs, *final_norm, eps, norm_offset);
   return {xs.clone(), rs.clone()};  // (not views of the workspace)

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bf16_vec.h"
+#include "team.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -353,7 +354,7 @@ void kpair_gemm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
     std::memcpy(padded.data(), x, M * K * sizeof(uint16_t));
     x = padded.data();
   }
-  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t b, int64_t e) {
     mii_vec::amx_configure();
     alignas(64) float part[4][16 * 16];
     for (int64_t p = b; p < e; ++p) {
@@ -415,7 +416,7 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
   }
 #endif
   if (M <= kDecodeRows) {
-    at::parallel_for(0, groups, kSuper, [&](int64_t b, int64_t e) {
+    mii_team::parallel_for(0, groups, kSuper, [&](int64_t b, int64_t e) {
       // runs of S groups, the last one shorter: the groups past kSuper whole runs ride along in the runs' last
       // steps, several streams at a time, where they came one group after another at the end (single-stream bf16
       // decode, alternated every 4 steps in one process: 8 of 8 rounds faster, 0.3-1.2%; the same sums)

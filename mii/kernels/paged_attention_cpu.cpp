@@ -38,6 +38,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "bf16_vec.h"
+#include "team.h"
 #define MII_ATTN_AVX2 1
 #endif
 
@@ -927,7 +928,7 @@ void attend(const T* q, T* out, const C* k_cache, const C* v_cache, const int32_
   auto block_base = [&](const Where& w, int64_t i) {  // where block i of an item starts in the caches
     return (static_cast<int64_t>(tables[w.s * table_width + w.first_block + i]) * n_kv + w.kvh) * head_block;
   };
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+  mii_team::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     // (rows rounded up to whole AMX tiles of 16)
     const int64_t max_rows = (std::min<int64_t>(kMaxRows, tile * group) + 15) / 16 * 16;
     // scaled queries and accumulators [rows, d], one block of keys/values as float [B, d], scores [rows, B]

@@ -44,6 +44,7 @@
 #include <immintrin.h>
 
 #include "bf16_vec.h"
+#include "team.h"
 #define MII_QAVX2 1
 #endif
 #if defined(MII_QAVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -601,7 +602,7 @@ template <int Runs = kRuns, typename Out, class RowPairs>
 void far_pairs(const uint8_t* w, const Layout& L, Out* y, RowPairs&& row_pairs) {
   const int64_t pair_bytes = L.groups * L.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));
-  at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
     const int64_t S = (e - b) / Runs;
     for (int64_t p = b; p < b + S; ++p)
       row_pairs(std::integral_constant<int, Runs>{}, w + p * pair_bytes, S * pair_bytes, y + 2 * p, 2 * S);

@@ -98,11 +98,14 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         pipe.destroy()
 
 
-def test_the_embedded_model_alone_equals_its_layers():
+@pytest.mark.parametrize("threads", [None, 3])
+def test_the_embedded_model_alone_equals_its_layers(threads):
     """The embedded SmolLM2 in its own plan (int4 layers from its GGUF's blocks), one sequence alone: every decode
     step is a single row, which takes the stack's few-rows path on CPUs with its kernels; each step's logits equal
-    the layers'."""
-    pipe = mii.pipeline()
+    the layers'. Its linears are large enough to be shared out among the threads of the few-rows path's one parallel
+    region (mii_team): the machine's count, and 3 (uneven shares; more threads than cores here)."""
+    before = torch.get_num_threads()
+    pipe = mii.pipeline(**({} if threads is None else {"num_threads": threads}))
     try:
         model, plan = pipe.engine.loaded.model, pipe.engine_plan
         same = _both_paths_per_step(pipe)
@@ -110,8 +113,11 @@ def test_the_embedded_model_alone_equals_its_layers():
         assert out.generated_length == 12 and len(same) == 12 and all(same), same
         takes = plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()
         assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == int(takes)
+        if threads:
+            assert torch.get_num_threads() == threads
     finally:
         pipe.destroy()
+        torch.set_num_threads(before)
 
 
 def test_other_blocks_keep_the_layers(tmp_path, tokenizer_dir):
