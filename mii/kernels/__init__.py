@@ -54,7 +54,7 @@ _lib.define("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, T
 _lib.define("silu_and_mul(Tensor x) -> Tensor")
 _lib.define("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("linear_quant(Tensor x, Tensor weight, Tensor? bias, bool act8=False) -> Tensor")
-_lib.define("quant_rows(Tensor weight, Tensor ids) -> Tensor")
+_lib.define("quant_rows(Tensor weight, Tensor ids, ScalarType? dtype=None) -> Tensor")
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
@@ -127,10 +127,10 @@ def _(x, weight, bias, act8=False):  # weight packed int4 [N/2, K/G, 8 + G] (uin
 
 
 @torch.library.register_fake("mii::quant_rows")
-def _(weight, ids):
+def _(weight, ids, dtype=None):
     from mii.layers.quant import in_features
 
-    return weight.new_empty(*ids.shape, in_features(weight), dtype=torch.float32)
+    return weight.new_empty(*ids.shape, in_features(weight), dtype=dtype or torch.float32)
 
 
 def paired_keys(k_cache: torch.Tensor, paired: bool = True) -> torch.Tensor:

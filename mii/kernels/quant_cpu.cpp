@@ -1472,32 +1472,42 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 
 // rows `ids` of a packed weight as fp32 [*ids.shape, K]: the embedding lookup of a tied, quantized LM head, with
 // mii/layers/quant.py's dequantize arithmetic (int4_weight, int8_weight). One token's row was ~15 torch ops from
-// Python, 0.3 ms of a decode step.
-at::Tensor quant_rows_cpu(const at::Tensor& weight, const at::Tensor& ids) {
+// Python, 0.3 ms of a decode step. dtype bf16: the fp32 values rounded as .to(bf16) rounds them, written so (the
+// separate .to took 33-44 us of a single-stream decode step, in caches the weights had just swept).
+at::Tensor quant_rows_cpu(const at::Tensor& weight, const at::Tensor& ids, c10::optional<at::ScalarType> dtype) {
+  const bool bf16 = dtype.has_value() && *dtype == at::kBFloat16;
   const Layout L = layout_of(weight);
   const int64_t K = L.K(), pair_bytes = L.groups * L.block;
-  const at::Tensor w = weight.contiguous(), flat = ids.reshape(-1).to(at::kLong).contiguous();
+  // (a decode step's ids as they are: each ATen call here costs microseconds in the step's cold caches)
+  const bool plain = ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous();
+  const at::Tensor w = weight.contiguous(), flat = plain ? ids : ids.reshape(-1).to(at::kLong).contiguous();
   const int64_t T = flat.numel();
   const int64_t* id = flat.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK_INDEX(id[t] >= 0 && id[t] < L.N(), "quant_rows: index ", id[t], " is out of range for ", L.N(), " rows");
-  auto out = at::empty({T, K}, weight.options().dtype(at::kFloat));
+  auto out = at::empty({T, K}, weight.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const uint8_t* pw = wp + (id[t] / 2) * pair_bytes;
-      const int row = static_cast<int>(id[t] % 2);
-      for (int64_t g = 0; g < L.groups; ++g) {
-        const uint8_t* blk = pw + g * L.block;
-        float* dst = o + t * K + g * L.G;
-        for (int64_t c = 0; c < L.G; ++c) dst[c] = L.int4 ? int4_weight(blk, L.G, row, c) : int8_weight(blk, L.G, row, c);
+  const auto rows = [&](auto* o) {
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const uint8_t* pw = wp + (id[t] / 2) * pair_bytes;
+        const int row = static_cast<int>(id[t] % 2);
+        for (int64_t g = 0; g < L.groups; ++g) {
+          const uint8_t* blk = pw + g * L.block;
+          auto* dst = o + t * K + g * L.G;
+          for (int64_t c = 0; c < L.G; ++c) dst[c] = L.int4 ? int4_weight(blk, L.G, row, c) : int8_weight(blk, L.G, row, c);
+        }
       }
-    }
-  });
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(K);
-  return out.view(shape);
+    });
+  };
+  if (bf16) rows(out.data_ptr<at::BFloat16>());
+  else rows(out.data_ptr<float>());
+  if (ids.dim() != 1) {
+    std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+    shape.push_back(K);
+    out = out.view(shape);
+  }
+  return dtype.has_value() && !bf16 && *dtype != at::kFloat ? out.to(*dtype) : out;
 }
 
 TORCH_LIBRARY_IMPL(mii, CPU, m) {

@@ -116,12 +116,13 @@ def dequantize(w: torch.Tensor) -> torch.Tensor:
     return out.view(q.shape)
 
 
-def dequantize_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a packed weight as float32 ([*ids.shape, K]): the embedding lookup of a tied LM head
-    (`mii::quant_rows` on CPU once mii's CPU kernels are loaded, the same arithmetic)."""
+def dequantize_rows(w: torch.Tensor, ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Rows `ids` of a packed weight as float32 ([*ids.shape, K]), or cast to `dtype`: the embedding lookup of a tied
+    LM head (`mii::quant_rows` on CPU once mii's CPU kernels are loaded, the same arithmetic and rounding)."""
     if w.device.type == "cpu" and kernels.cpu_op("quant_rows"):
-        return torch.ops.mii.quant_rows(w, ids)
-    return dequantize_rows_reference(w, ids)
+        return torch.ops.mii.quant_rows(w, ids, dtype)
+    rows = dequantize_rows_reference(w, ids)
+    return rows if dtype is None else rows.to(dtype)
 
 
 def dequantize_rows_reference(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -262,9 +262,15 @@ def test_rows_are_the_dequantized_rows(scheme, group):
         assert out.shape == (*ids.shape, k) and out.dtype == torch.float32
         assert torch.equal(out, dequantize_rows_reference(w, ids))
         assert torch.equal(out.reshape(-1, k), dequantize(w)[ids.reshape(-1)])
+        # written in the model's dtype by the lookup itself: the fp32 rows rounded as .to rounds them
+        for dtype in (torch.bfloat16, torch.float16):
+            cast = dequantize_rows(w, ids, dtype)
+            assert cast.dtype == dtype and torch.equal(cast, out.to(dtype))
     assert dequantize_rows(w, torch.zeros(0, dtype=torch.long)).shape == (0, k)
     with pytest.raises(IndexError, match="out of range"):
         dequantize_rows(w, torch.tensor([3, n]))
+    with pytest.raises(IndexError, match="out of range"):
+        dequantize_rows(w, torch.tensor([-1]), torch.bfloat16)
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU above the one it stands in for")
