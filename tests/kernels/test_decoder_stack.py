@@ -159,3 +159,27 @@ def test_a_tensor_that_is_not_a_handle_is_refused():
                                          4, 2, 16, 0.25, 1e-5, 0.0)
     with pytest.raises(RuntimeError, match="14 parameters and 2 caches per layer"):
         torch.ops.mii.stack_params([x] * 13, [x, x], [0])
+
+
+def test_an_error_inside_the_few_rows_region_comes_out_and_the_next_steps_run():
+    """A step of the few-rows path runs its layers inside one parallel region (mii_team); an error raised there (here
+    the attention's check of the block table's dtype, on the calling thread) ends the region and comes out as the
+    op's error, and the threads are free for the next steps: no hang, the same greedy tokens as before."""
+    pipe = mii.pipeline()
+    try:
+        model = pipe.engine.loaded.model
+        if not (pipe.engine_plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()):
+            pytest.skip("the few-rows path needs AVX512-VNNI/VBMI for the embedded model's int4 weights")
+        before = pipe("The capital of France is", max_new_tokens=8, do_sample=False)[0].generated_text
+        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == 1
+        st = model.model.stack
+        x = torch.zeros(1, model.cfg.hidden_size, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="int32 query_start/seq_lens/block_tables"):
+            torch.ops.mii.decoder_stack(x, torch.zeros(1, dtype=torch.long), st["held"], torch.zeros(1, dtype=torch.long),
+                                        torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                                        torch.zeros(1, 1, dtype=torch.long), 1, st["n_heads"], st["n_kv_heads"],
+                                        st["head_dim"], st["scale"], st["eps"], st["norm_offset"], st["act8"],
+                                        st["final_norm"])
+        assert pipe("The capital of France is", max_new_tokens=8, do_sample=False)[0].generated_text == before
+    finally:
+        pipe.destroy()
