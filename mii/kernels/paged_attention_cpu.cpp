@@ -35,10 +35,11 @@
 #include <utility>
 #include <vector>
 
+#include "team.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include "bf16_vec.h"
-#include "team.h"
 #define MII_ATTN_AVX2 1
 #endif
 

@@ -44,9 +44,9 @@
 #include <immintrin.h>
 
 #include "bf16_vec.h"
-#include "team.h"
 #define MII_QAVX2 1
 #endif
+#include "team.h"
 #if defined(MII_QAVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define MII_QVNNI 1  // vpdpwssd: 32 int16 multiply-adds into 16 int32 sums an instruction
 #endif
