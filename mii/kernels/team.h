@@ -91,7 +91,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
   const int64_t n = end - begin;
   if (n <= grain || n == 1 || team->threads == 1) return f(begin, end);
-  const int64_t tasks = std::min<int64_t>(team->threads, (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1));
+  const int64_t least = std::max<int64_t>(grain, 1), tasks = std::min<int64_t>(team->threads, (n + least - 1) / least);
   team->call = [](const void* fn, int64_t b, int64_t e) { (*static_cast<const F*>(fn))(b, e); };
   team->fn = &f;
   team->begin = begin, team->end = end, team->chunk = (n + tasks - 1) / tasks;
