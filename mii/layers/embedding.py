@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mii import kernels
 from mii.layers.linear import bf16w_rows, check_shape, linear_op, packed_linear, tiled_rows
-from mii.layers.quant import dequantize_rows, out_features, scheme
+from mii.layers.quant import dequantize_rows, out_features, rows_op, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -49,10 +48,8 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size > 1:
             return self.forward
         w, dtype = self.weight, self.out_dtype
-        if scheme(w) is not None:  # (cast in the lookup itself; on CPU the kernel's op called as it is)
-            if w.device.type == "cpu" and kernels.cpu_op("quant_rows"):
-                return functools.partial(torch.ops.mii.quant_rows.default, w, dtype=dtype)
-            return functools.partial(dequantize_rows, w, dtype=dtype)
+        if scheme(w) is not None:  # (cast in the lookup itself)
+            return functools.partial(rows_op(w.device), w, dtype=dtype)
         rows = self._lookup()
         return rows if dtype is None else (lambda ids: rows(ids).to(dtype))
 

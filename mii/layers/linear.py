@@ -17,7 +17,7 @@ from torch import nn
 
 from mii import kernels
 from mii.errors import ModelLoadError
-from mii.layers.quant import quant_linear, scheme
+from mii.layers.quant import quant_linear_op, scheme
 from mii.parallel import all_gather_last, all_reduce, tp_rank, tp_size
 
 
@@ -61,11 +61,8 @@ def linear_op(module: nn.Module, bias: Optional[torch.Tensor]) -> Callable[[torc
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     w = module.weight
     if scheme(w) is not None:
-        act8 = getattr(module, "act8", False)
-        if w.device.type == "cpu" and kernels.cpu_op("linear_quant"):  # (the op as it is: quant_linear's checks
-            op = torch.ops.mii.linear_quant.default  # cost microseconds a call in a decode step's cold caches)
-            return lambda x: op(x, w, bias, act8)
-        return lambda x: quant_linear(x, w, bias, act8)
+        act8, op = getattr(module, "act8", False), quant_linear_op(w.device)
+        return lambda x: op(x, w, bias, act8)
     if module.bf16_kernel:
         return lambda x: torch.ops.mii.linear_bf16w(x, w, bias)
     return lambda x: F.linear(x, w, bias)

@@ -18,7 +18,7 @@ linear's input is first rounded to int8 per 32 columns (`round_activations_int8`
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,13 +116,24 @@ def dequantize(w: torch.Tensor) -> torch.Tensor:
     return out.view(q.shape)
 
 
-def dequantize_rows(w: torch.Tensor, ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Rows `ids` of a packed weight as float32 ([*ids.shape, K]), or cast to `dtype`: the embedding lookup of a tied
-    LM head (`mii::quant_rows` on CPU once mii's CPU kernels are loaded, the same arithmetic and rounding)."""
-    if w.device.type == "cpu" and kernels.cpu_op("quant_rows"):
-        return torch.ops.mii.quant_rows(w, ids, dtype)
+def rows_op(device: torch.device) -> Callable:
+    """What `dequantize_rows` calls for a weight on `device`, (w, ids, dtype) → rows: `mii::quant_rows` on CPU once
+    mii's CPU kernels are loaded (the same arithmetic and rounding), else the reference. Bound once by the embedding
+    (`VocabParallelEmbedding.bound`), where each Python call of a decode step costs microseconds."""
+    if device.type == "cpu" and kernels.cpu_op("quant_rows"):
+        return torch.ops.mii.quant_rows.default
+    return _rows_reference
+
+
+def _rows_reference(w: torch.Tensor, ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     rows = dequantize_rows_reference(w, ids)
     return rows if dtype is None else rows.to(dtype)
+
+
+def dequantize_rows(w: torch.Tensor, ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Rows `ids` of a packed weight as float32 ([*ids.shape, K]), or cast to `dtype`: the embedding lookup of a tied
+    LM head."""
+    return rows_op(w.device)(w, ids, dtype)
 
 
 def dequantize_rows_reference(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -174,12 +185,18 @@ def quant_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torc
     return F.linear(x, dequantize(w).to(x.dtype), bias)
 
 
+def quant_linear_op(device: torch.device) -> Callable:
+    """What `quant_linear` calls on `device`, (x, w, bias, act8) → y: the C++ kernel (fp32 math) on CPU once mii's CPU
+    kernels are loaded, else the reference. Bound once by `linear_op` for a decode step's LM head."""
+    if device.type == "cpu" and kernels.cpu_op("linear_quant"):
+        return torch.ops.mii.linear_quant.default
+    return quant_linear_reference
+
+
 def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], act8: bool = False) -> torch.Tensor:
-    """x @ dequantize(w).T + bias: the C++ kernel (fp32 math) on CPU once mii's CPU kernels are loaded, else the
-    reference. `act8`: an int4 weight multiplies x rounded to int8 per 32 columns (`quantize_activations`)."""
-    if x.device.type == "cpu" and kernels.cpu_op("linear_quant"):
-        return torch.ops.mii.linear_quant(x, w, bias, act8)
-    return quant_linear_reference(x, w, bias, act8)
+    """x @ dequantize(w).T + bias. `act8`: an int4 weight multiplies x rounded to int8 per 32 columns
+    (`quantize_activations`)."""
+    return quant_linear_op(x.device)(x, w, bias, act8)
 
 
 def use_int8_activations(model: torch.nn.Module) -> int:
