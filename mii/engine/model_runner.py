@@ -111,6 +111,10 @@ class ModelRunner:
                     m.fuse_stack()
         if hasattr(model, "bind_ops"):
             model.bind_ops()
+        # the threads of this engine's steps (the plan's), and the stack whose pace may take fewer for its decode
+        # steps on a busy CPU (mii_team::Pace, kernels/team.h)
+        self.threads = torch.get_num_threads()
+        self.paced = next((m.stack["held"] for m in model.modules() if getattr(m, "stack", None) is not None), None)
         self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
     @staticmethod
@@ -227,7 +231,19 @@ class ModelRunner:
         return to(meta.input_ids), to(meta.positions), ctx, to(meta.logit_index)
 
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
-        """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none)."""
+        """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none). On
+        the plan's threads, or fewer where the decoder stack's pace has seen them kept waiting by a busy CPU."""
+        n = self.threads if self.paced is None else torch.ops.mii.stack_threads(self.paced, len(meta.input_ids),
+                                                                                 self.threads)
+        if n == self.threads:
+            return self._execute(meta)
+        torch.set_num_threads(n)
+        try:
+            return self._execute(meta)
+        finally:
+            torch.set_num_threads(self.threads)
+
+    def _execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
         scoring = meta.prompt_index is not None and len(meta.prompt_index)
         if not scoring and self.graphs is not None and (logits := self.graphs.run(meta)) is not None:
             return logits

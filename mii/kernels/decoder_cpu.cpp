@@ -139,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
     const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& seq_lens,
     const at::Tensor& block_tables, int64_t max_query_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
     double scale, double eps, double norm_offset, at::IntArrayRef windows, bool act8,
-    const c10::optional<at::Tensor>& final_norm) {
+    const c10::optional<at::Tensor>& final_norm, mii_team::Pace* pace) {
   constexpr int64_t P = kPerLayer;
   const int64_t layers = static_cast<int64_t>(windows.size()), T = x_in.size(0), H = x_in.size(1);
   const int64_t q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim, qkv_n = q_size + 2 * kv_size;
@@ -156,7 +156,8 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
   const float feps = static_cast<float>(eps), off = static_cast<float>(norm_offset);
   const auto bf = [](const at::Tensor& t) { return t.data_ptr<at::BFloat16>(); };
   std::memcpy(res, x_in.data_ptr<at::BFloat16>(), T * H * sizeof(at::BFloat16));  // the first layer's residual: x
-  // the layers in one parallel region: the kernels' threads wait in it between their calls (mii_team::run)
+  // the layers in one parallel region: the kernels' threads wait in it between their calls (mii_team::run), as many
+  // threads as the handle's pace gives on a busy CPU
   mii_team::run([&] {
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* p = params.data() + i * P;
@@ -183,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
       for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
       rows_linear(act, T, I, p[8], p[9], x, H, act8, /*bias_after=*/true);
     }
-  });
+  }, pace);
   const at::Tensor xs = at::from_blob(x, {T, H}, x_in.options()), rs = at::from_blob(res, {T, H}, x_in.options());
   if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xs, rs, *final_norm, eps, norm_offset);
   return {xs.clone(), rs.clone()};  // (not views of the workspace)
@@ -204,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& seq_lens,
     const at::Tensor& block_tables, int64_t max_query_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
     double scale, double eps, double norm_offset, at::IntArrayRef windows, bool act8,
-    const c10::optional<at::Tensor>& final_norm, int64_t* few_rows = nullptr) {
+    const c10::optional<at::Tensor>& final_norm, int64_t* few_rows = nullptr, mii_team::Pace* pace = nullptr) {
   constexpr int64_t P = kPerLayer;
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * P && static_cast<int64_t>(caches.size()) == 2 * layers,
@@ -219,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
     if (*few_rows == 1)
       return few_rows_stack(x_in, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables,
                             max_query_len, n_heads, n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8,
-                            final_norm);
+                            final_norm, pace);
 #else
     *few_rows = 0;
 #endif
@@ -271,6 +272,7 @@ struct StackParams {
   std::vector<int64_t>* windows;
   int64_t n_params;
   int64_t few_rows = -1;  // whether a step of 1-8 rows takes few_rows_stack: -1 not known yet, 0 no, 1 yes
+  mii_team::Pace* pace;   // how many threads its parallel region takes
 };
 
 StackParams& held_stack(const at::Tensor& handle) {
@@ -291,13 +293,15 @@ at::Tensor stack_params_cpu(at::TensorList params, at::TensorList caches, at::In
   h->held->insert(h->held->end(), caches.begin(), caches.end());
   h->windows = new std::vector<int64_t>(windows.vec());
   h->n_params = static_cast<int64_t>(params.size());
-  static_assert(sizeof(StackParams) == 5 * sizeof(int64_t), "the handle's two int64 are the record's first two");
+  h->pace = new mii_team::Pace();
+  static_assert(sizeof(StackParams) == 6 * sizeof(int64_t), "the handle's two int64 are the record's first two");
   return at::from_blob(
       h, {2},
       [](void* p) {
         auto* r = static_cast<StackParams*>(p);
         delete r->held;
         delete r->windows;
+        delete r->pace;
         delete r;
       },
       at::TensorOptions().dtype(at::kLong));
@@ -313,16 +317,56 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_held_cpu(
   const at::TensorList all(*h.held);
   return decoder_stack_cpu(x, positions, all.slice(0, h.n_params), all.slice(h.n_params), slot_mapping, query_start,
                            seq_lens, block_tables, max_query_len, n_heads, n_kv_heads, head_dim, scale, eps,
-                           norm_offset, *h.windows, act8, final_norm, &h.few_rows);
+                           norm_offset, *h.windows, act8, final_norm, &h.few_rows, h.pace);
 }
 
 // mii::stack_few_rows: whether a handle's steps of 1-8 rows take few_rows_stack (-1: none has run yet, 0: no, 1: yes)
 int64_t stack_few_rows_cpu(const at::Tensor& handle) { return held_stack(handle).few_rows; }
 
+// mii::stack_threads: the threads a handle's step of `rows` rows takes, of the `configured` (the engine sets them for
+// the step): as many as its pace (mii_team::Pace) gives, fewer where it has seen a step's threads kept waiting on a
+// busy CPU. Steps of 1-8 rows run its tries of one thread more; longer steps (prompts, big batches) take the count
+// between tries: beside a CPU-bound process (Zen 4, 2 threads) a 128-token prompt's first token took 300-485 ms on
+// two threads and 173-186 on one.
+int64_t stack_threads_cpu(const at::Tensor& handle, int64_t rows, int64_t configured) {
+  StackParams& h = held_stack(handle);
+  if (h.few_rows != 1) return configured;  // (the pace learns from the few-rows steps' region)
+  const int n = h.pace->threads(static_cast<int>(configured));
+  return rows >= 1 && rows <= kFewRows ? n : h.pace->settled();
+}
+
+// mii::stack_pace: a handle's pace: [the threads its steps of 1-8 rows take between tries of one more; how often it
+// took one fewer, tried one more, kept one more]
+std::vector<int64_t> stack_pace_cpu(const at::Tensor& handle) {
+  const mii_team::Pace& p = *held_stack(handle).pace;
+  return {p.settled(), p.drops, p.probes, p.rises};
+}
+
+// mii::pace_trace: the threads a fresh pace of `threads` gives region after region, where each region of more than
+// one thread keeps the calling thread waiting waits[i] of its time (the pace's rules, on a trace)
+at::Tensor pace_trace_cpu(const at::Tensor& waits, int64_t threads) {
+  TORCH_CHECK(waits.dim() == 1 && waits.scalar_type() == at::kDouble, "pace_trace: waits must be 1-D float64");
+  TORCH_CHECK(threads >= 1, "pace_trace: threads must be at least 1");
+  const at::Tensor w = waits.contiguous();
+  at::Tensor out = at::empty({w.numel()}, at::TensorOptions().dtype(at::kLong));
+  mii_team::Pace pace(static_cast<int>(threads), /*enabled=*/true);
+  constexpr int64_t kNs = 1000000;
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    const int n = pace.threads(static_cast<int>(threads));
+    const double f = std::min(1.0, std::max(0.0, w.data_ptr<double>()[i]));
+    pace.record(n, kNs, n > 1 ? static_cast<int64_t>(f * kNs) : 0);
+    out.data_ptr<int64_t>()[i] = n;
+  }
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(mii, CPU, m) {
   m.impl("stack_params", &stack_params_cpu);
   m.impl("decoder_stack", &decoder_stack_held_cpu);
   m.impl("stack_few_rows", &stack_few_rows_cpu);
+  m.impl("stack_threads", &stack_threads_cpu);
+  m.impl("stack_pace", &stack_pace_cpu);
+  m.impl("pace_trace", &pace_trace_cpu);
 }
 // (oneDNN-prepacked weights among the parameters make the dispatcher pick this key)
 TORCH_LIBRARY_IMPL(mii, MkldnnCPU, m) { m.impl("stack_params", &stack_params_cpu); }

@@ -1,0 +1,172 @@
+"""The decode steps' thread pace (mii_team::Pace, kernels/team.h): on a CPU that other processes keep busy, a region
+of equal shares waits for whichever thread lost its core, so the stack's steps take fewer threads while their
+calling thread waits too long at the joins, and try one more now and then. The rules on traces (mii::pace_trace),
+then the embedded model beside real CPU-bound processes: fewer threads there, the same tokens, back to the plan's
+threads once the machine is idle, and never with MII_THREAD_PACE=0."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mii
+from mii import kernels
+from mii.envs import cpu_flags
+
+pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
+                                reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
+
+# the pace's constants (team.h): regions a window, regions a try, the first and longest intervals between tries
+WINDOW, PROBE, FIRST, LONGEST = 16, 8, 16, 256
+
+
+def trace(waits: list[float], threads: int = 2) -> list[int]:
+    return torch.ops.mii.pace_trace(torch.tensor(waits, dtype=torch.float64), threads).tolist()
+
+
+def runs(*parts: tuple[int, int]) -> list[int]:
+    """(threads, regions), ... as one list of threads a region"""
+    return [n for n, count in parts for _ in range(count)]
+
+
+def tries_failing(regions: int, threads: int = 1) -> list[int]:
+    """after a drop to `threads` on a CPU that stays busy: `threads` for 16, 32, 64 ... 256, 256 regions, each run
+    followed by a try of one more for PROBE regions; cut at `regions`"""
+    out, interval = [], FIRST
+    while len(out) < regions:
+        out += [threads] * interval + [threads + 1] * PROBE
+        interval = min(2 * interval, LONGEST)
+    return out[:regions]
+
+
+def test_a_busy_cpu_takes_one_thread_fewer_and_tries_one_more_ever_less_often():
+    n = 1000
+    # the first window warms up, the second (waits of 80%) takes one thread fewer at its end
+    assert trace([0.8] * n) == runs((2, 2 * WINDOW)) + tries_failing(n - 2 * WINDOW)
+
+
+def test_an_idle_cpu_keeps_every_thread():
+    assert trace([0.1] * 500) == [2] * 500
+    assert trace([0.45] * 500) == [2] * 500  # up to half the time waiting: two threads still beat one
+    assert trace([0.9] * 100, threads=1) == [1] * 100
+
+
+def test_the_first_try_after_the_cpu_is_idle_again_keeps_the_thread():
+    busy = 100
+    waits = [0.8] * busy + [0.05] * 400
+    # dropped at region 32; tries at 48-55 and 88-95 (still busy) fail, the next after 64 regions (160-167) keeps two
+    first_idle_try = 2 * WINDOW + FIRST + PROBE + 2 * FIRST + PROBE + 4 * FIRST
+    assert first_idle_try >= busy
+    expected = runs((2, 2 * WINDOW)) + tries_failing(first_idle_try - 2 * WINDOW) + [2] * (500 - first_idle_try)
+    assert trace(waits) == expected
+
+
+def test_one_bad_window_costs_one_interval():
+    # a burst from the machine's neighbours that fills one judged window: one thread for FIRST regions, one try back
+    waits = [0.05] * (2 * WINDOW) + [0.9] * WINDOW + [0.05] * 200
+    assert trace(waits) == runs((2, 3 * WINDOW), (1, FIRST)) + [2] * (200 - FIRST)
+
+
+def test_more_threads_step_down_one_at_a_time():
+    n = 200
+    # 4 threads: 3 after the second window, 2 a window later, 1 after the next; then tries of 2
+    expected = runs((4, 2 * WINDOW), (3, WINDOW), (2, WINDOW)) + tries_failing(n - 4 * WINDOW)
+    assert trace([0.8] * n, threads=4) == expected
+
+
+def test_the_trace_checks_its_input():
+    with pytest.raises(RuntimeError, match="waits must be 1-D float64"):
+        torch.ops.mii.pace_trace(torch.zeros(3), 2)
+    with pytest.raises(RuntimeError, match="threads must be at least 1"):
+        torch.ops.mii.pace_trace(torch.zeros(3, dtype=torch.float64), 0)
+
+
+# --- the embedded model beside CPU-bound processes ---------------------------------------------------------------
+
+ROW_KERNELS_QUANT = {"avx512bw", "avx512_vnni", "avx512vbmi"}  # the few-rows path's int4 kernels
+PROMPT = "The capital of France is"
+LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle. " * 2
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+class Busy:
+    """one CPU-bound process a core, ended by PID"""
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(_cores())]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def _threads_per_step(pipe) -> list[tuple[int, int]]:
+    """(tokens, torch threads) of each step's forward from now on"""
+    seen = []
+    pipe.engine.loaded.model.register_forward_pre_hook(lambda m, args: seen.append((len(args[0]),
+                                                                                   torch.get_num_threads())))
+    return seen
+
+
+@pytest.fixture
+def paced_pipe():
+    if _cores() < 2:
+        pytest.skip("one core: nothing to pace")
+    before = torch.get_num_threads()
+    pipe = mii.pipeline(num_threads=2)
+    try:
+        if not (pipe.engine_plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()):
+            pytest.skip("the few-rows path needs AVX512-VNNI/VBMI for the embedded model's int4 weights")
+        yield pipe
+    finally:
+        pipe.destroy()
+        torch.set_num_threads(before)
+
+
+def greedy(pipe, prompt: str, n: int) -> str:
+    return pipe(prompt, max_new_tokens=n, do_sample=False, ignore_eos=True)[0].generated_text
+
+
+def test_beside_busy_processes_decode_takes_one_thread_with_the_same_tokens_then_two_again(paced_pipe):
+    pipe = paced_pipe
+    held = pipe.engine.loaded.model.model.stack["held"]
+    idle = greedy(pipe, PROMPT, 96)
+    assert torch.ops.mii.stack_few_rows(held) == 1
+    assert torch.ops.mii.stack_pace(held)[:2] == [2, 0]  # [threads, drops]: idle, none
+    with Busy():
+        busy = greedy(pipe, PROMPT, 96)
+        threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
+        assert threads == 1 and drops >= 1, (threads, drops, probes, rises)
+        assert busy == idle  # the kernels' shares split outputs, never a sum: the same bits on any thread count
+        seen = _threads_per_step(pipe)
+        greedy(pipe, LONG_PROMPT, 2)
+        assert seen[0][0] > 8 and seen[0][1] == 1, seen  # a prompt step takes the paced count too
+    assert torch.get_num_threads() == 2  # between steps: the plan's
+    for _ in range(8):  # idle again: within the longest interval, a try keeps the second thread
+        greedy(pipe, PROMPT, 100)
+        if torch.ops.mii.stack_pace(held)[0] == 2:
+            break
+    threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
+    assert threads == 2 and rises >= 1, (threads, drops, probes, rises)
+
+
+def test_mii_thread_pace_0_keeps_every_thread(monkeypatch):
+    monkeypatch.setenv("MII_THREAD_PACE", "0")
+    if _cores() < 2:
+        pytest.skip("one core: nothing to pace")
+    before = torch.get_num_threads()
+    pipe = mii.pipeline(num_threads=2)
+    try:
+        held = pipe.engine.loaded.model.model.stack["held"]
+        with Busy():
+            greedy(pipe, PROMPT, 64)
+        assert torch.ops.mii.stack_pace(held) == [2, 0, 0, 0]
+    finally:
+        pipe.destroy()
+        torch.set_num_threads(before)
