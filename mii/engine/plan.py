@@ -191,6 +191,10 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
     if not cfg.num_threads:
         reasons["threads"] = ("auto: every core this process may use" if ranks == 1 else
                               f"auto: {cores} cores shared by {ranks} tensor-parallel ranks, per rank")
+    if threads > 1 and device == "cpu" and os.environ.get("MII_THREAD_PACE", "1") != "0":
+        reasons["threads"] = ((reasons["threads"] + "; ") if "threads" in reasons else "") + (
+            "fewer while other processes keep the decode steps' threads waiting (mii's decoder stack times them; "
+            "MII_THREAD_PACE=0: never)")
     if cfg.tensor_parallel > 1:
         reasons["tensor parallel"] = (f"one process per rank, {'NCCL' if device.startswith('cuda') else 'gloo'}; "
                                       "weights and KV heads sharded")

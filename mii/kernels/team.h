@@ -6,7 +6,8 @@
 // mii_team::parallel_for hands each of them its share through one cache line and waits for them through another.
 // Outside a region it is at::parallel_for. The shares are at::parallel_for's (OpenMP backend), so a kernel's
 // threads do the same work either way and its results are the same. Alternated every 4 steps in one process (Zen 4,
-// 2 threads): single-stream int4 steps 2.3-3.8% faster (6 of 6 rounds), bf16 1.5-3.9%; 4 streams even. Included by
+// 2 threads): single-stream int4 steps 2.3-3.8% faster (6 of 6 rounds), bf16 1.5-3.9%; 4 streams even. The calling
+// thread's waits at the joins are timed for the region's Pace (below): fewer threads on a busy CPU. Included by
 // the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
 #pragma once
 
@@ -127,8 +128,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // region's shares are equal and fixed, so a thread that loses its core to another process keeps the calling
 // thread waiting at every join (parallel_for times that wait). Measured on a Zen 4 EPYC (2 threads, single-stream
 // int4 decode): idle, the calling thread waits 2-12% of a step (the other thread's start, the shares' imbalance,
-// now and then the machine's neighbours: up to 58% over 8 steps); beside a CPU-bound process two threads decoded at
-// 45-61 tok/s and one at 118-141. So: over each window of kWindow regions, a wait above kDrop of their time takes
+// now and then the machine's neighbours: up to 58% over 8 steps); beside a CPU-bound process most of it, and one
+// thread decoded at 163-170 tok/s where two did 67-71 (bench/shared_cpu.py). So: over each window of kWindow regions, a wait above kDrop of their time takes
 // one thread fewer (n - 1 threads beat n once the wait passes 1/n of the time: 1/2 at two); below the configured
 // count, every `interval` regions kProbe regions try one thread more, which stays if their wait is below kRise; a
 // failed try doubles the interval, up to kMaxInterval. The values never depend on the thread count (the kernels'
