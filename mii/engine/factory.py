@@ -64,8 +64,8 @@ def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) 
                 raise ValidationError("quantize_activations", "rounds the inputs of int4 linears, and this model "
                                       f"has none (its weights: {', '.join(loaded.weight_bytes)})")
             plan.activations = f"int8 per 32 columns in the {n} int4 linears"
-            plan.reasons["activations"] = ("quantize_activations=True: ~1.1-1.2x decode, outputs close to the "
-                                           "int16 path's, not identical")
+            plan.reasons["activations"] = ("quantize_activations=True: ~1.1-1.2x decode and prompts, outputs close "
+                                           "to the int16 path's, not identical")
         if loaded.quantization is not None:
             plan.quantization = loaded.quantization.summary() or "none"
             if loaded.quantization.kept_raw or loaded.quantization.quantized:

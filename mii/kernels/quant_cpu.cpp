@@ -17,7 +17,7 @@
 //   fp32-level differences upstream (its batch), where 16-bit rounding keeps them below bf16's precision.
 // - More rows (prompt chunks, big batches; from 9 rows on CPUs with AVX-512 VNNI and VBMI): 16-row tiles of the weights'
 //   integers unpacked into L2, one `vdpbf16ps` (bf16 x) or `vpdpwssd` (x rounded as above) a 16-row pair of
-//   columns: see vnni_gemm below. Elsewhere each task dequantizes a block of rows into an fp32 buffer that stays
+//   columns, or with `act8` one `vpdpbusd` a 16-row quad of columns: see vnni_gemm below. Elsewhere each task dequantizes a block of rows into an fp32 buffer that stays
 //   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first. Either way a row's result does
 //   not depend on how many rows share its step beyond fp32 summation order and, for bf16 x, the int16 rounding of
 //   decode rows (batch invariance, prefix caching: differences far below the bf16 result's own rounding).
@@ -690,9 +690,10 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 //   once by the group's weight scale; int4's offsets add (m - 128 s) * sum(x) per group. No rounding of the weights
 //   or of x: the values the file holds, times x. Blocks of 4 rows by 2 tiles keep both the group's sums and the
 //   running sums in registers (bf16_block).
-// - fp32 x, or `act8`: x rounded per chunk to int16 (or int8) as the decode path rounds it, the integers as int16,
-//   and `vpdpwssd`: a chunk's sums are exact int32, scaled once (x's scale times the weight scale), the decode
-//   path's arithmetic up to fp32 summation order.
+// - fp32 x: x rounded per chunk to int16 as the decode path rounds it, the integers as int16, and `vpdpwssd`: a
+//   chunk's sums are exact int32, scaled once (x's scale times the weight scale), the decode path's arithmetic up
+//   to fp32 summation order. `act8`: x rounded to int8, the int4 integers as bytes, `vpdpbusd` (byte_block): the
+//   same arithmetic with half the instructions.
 // Measured on a Zen 4 EPYC, SmolLM2's shapes at 33-256 rows: vpdpwssd runs at about half vdpbf16ps's rate.
 constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128 bytes)
 constexpr int kRowsX = 4, kTilesX = 4;  // an int16 block: 4 rows of x by 4 tiles, 16 accumulators in registers
@@ -704,10 +705,13 @@ inline void dot(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpwssd %2, %1, 
 inline void dot(__m512& acc, __m512i w, __m512i x) { __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
 #endif
 
-// x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16. One
-// XPairs a thread at a time (its arrays are the thread's reused buffers).
+// x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16; with
+// `act8`, quads of int8 instead: (chunk c, j < 8) = columns 32c + 2j, 2j + 16, 2j + 1, 2j + 17, at (c, j) of the
+// pairs' places (the byte tiles' order, unpack_tile). One XPairs a thread at a time (its arrays are the thread's
+// reused buffers).
 struct XPairs {
   bool bf16;       // pairs of bf16 (x exact); otherwise of int16, rounded per chunk
+  bool bytes;      // act8: quads of int8 (byte_block)
   int32_t* q;      // [rows, K/2]
   float* scale;    // [M, chunks]: int16 only
   float* gsum;     // [rows, groups]: the sum of x (as multiplied) over each weight group, for int4's offsets
@@ -726,7 +730,7 @@ struct XPairs {
   }
 
   // rows >= M: the rows past M are zero (AMX's tiles of 32 rows)
-  XPairs(const at::Tensor& x, int64_t G, bool act8, int64_t rows) : bf16(takes_bf16(x, act8)) {
+  XPairs(const at::Tensor& x, int64_t G, bool act8, int64_t rows) : bf16(takes_bf16(x, act8)), bytes(act8) {
     const int64_t M = x.size(0), K = x.size(1), cpg = G / 32;
     chunks = K / 32, groups = K / G;
     q = reused<int32_t, 0>(rows * K / 2);
@@ -764,7 +768,15 @@ struct XPairs {
             int32_t vsum = 0;  // exact
             for (int k = 0; k < 32; ++k) vsum += v[k];
             sum = static_cast<float>(vsum) * s;
-            for (int k = 0; k < 16; ++k) out[k] = pair(static_cast<uint16_t>(v[k]), static_cast<uint16_t>(v[k + 16]));
+            if (act8) {
+              for (int j = 0; j < 8; ++j) {
+                const uint8_t b[4] = {uint8_t(v[2 * j]), uint8_t(v[2 * j + 16]), uint8_t(v[2 * j + 1]),
+                                      uint8_t(v[2 * j + 17])};
+                std::memcpy(&out[j], b, 4);
+              }
+            } else {
+              for (int k = 0; k < 16; ++k) out[k] = pair(static_cast<uint16_t>(v[k]), static_cast<uint16_t>(v[k + 16]));
+            }
             scale[m * chunks + c] = s;
           }
           gsum[m * groups + c / cpg] += sum;
@@ -894,11 +906,19 @@ inline void round_weights(__m512i* out, __m512 sv, __m512 mv, bool int4) {
 }
 #endif
 
+// the int16 word pairs of an int4 chunk (unpack_int4: lane n of out[b] = row n's weights b and b + 16) as byte quads
+// in out[0 .. 7]: lane n of out[j] = row n's weights 2j, 2j + 16, 2j + 1, 2j + 17 (XPairs' quads of x)
+inline void int4_quads(__m512i* out) {
+  const __m512i order = _mm512_set4_epi32(0x0f0e0706, 0x0d0c0504, 0x0b0a0302, 0x09080100);
+  for (int j = 0; j < 8; ++j)  // (packed within 128-bit lanes: rows 4k .. 4k+3's pairs from out[2j], then out[2j+1])
+    out[j] = _mm512_shuffle_epi8(_mm512_packus_epi16(out[2 * j], out[2 * j + 1]), order);
+}
+
 // the 16 rows of pairs p0 .. p0+7 (those past L.pairs are zero) -> tile t: the weights' integers (int16, or bf16
-// under bf16 x) with their scales and offsets in sw / mw; `rounded` (AMX, MII_QUANT_TILES=bf16): the weights
-// themselves in bf16 (round_weights), no scales
+// under bf16 x; int4 as byte quads with `bytes`) with their scales and offsets in sw / mw; `rounded` (AMX,
+// MII_QUANT_TILES=bf16): the weights themselves in bf16 (round_weights), no scales
 void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const Tiles& T, int64_t t,
-                 bool rounded = false) {
+                 bool rounded = false, bool bytes = false) {
   const int64_t pair_bytes = L.groups * L.block, cpg = L.G / 32, np = std::min<int64_t>(8, L.pairs - p0);
   __m512i* tile = T.data + t * T.stride;
   for (int64_t g = 0; g < L.groups; ++g) {
@@ -929,6 +949,7 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
         const uint8_t* src[8];
         for (int p = 0; p < 8; ++p) src[p] = blk[p] ? blk[p] + 8 + c * 32 : nullptr;
         unpack_int4(src, bf16, out);
+        if (bytes) int4_quads(out);
       } else {
         __m512i r[16];
         for (int n = 0; n < 16; ++n) {
@@ -1078,6 +1099,95 @@ __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K
 }
 #endif
 
+// act8 (int8 x, int4 weights): rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1 (MR <= 4, NT <= 2), the byte
+// quads of both multiplied by `vpdpbusd` (the weights' nibbles unsigned, x signed: 4 products into each lane, 64 an
+// instruction, where `vpdpwssd` on int16 does 32). A chunk's int32 sums are exact, then scaled (x's scale times the
+// weight scale) into running sums in registers; int4's offsets add m sum(x) per group: vnni_block's arithmetic in
+// its order, so the same results bit for bit.
+template <int MR, int NT>
+__attribute__((noinline)) void byte_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
+                                          int64_t t0, float* y, int64_t N, int64_t n0) {
+  const int64_t cpg = L.G / 32;
+  const int32_t* xq[MR];
+  const float *xs[MR], *gs[MR];
+  for (int r = 0; r < MR; ++r) {
+    xq[r] = &X.q[(m0 + r) * (K / 2)], gs[r] = &X.gsum[(m0 + r) * X.groups];
+    xs[r] = &X.scale[(m0 + r) * X.chunks];
+  }
+  const int64_t stride = T.stride, sstride = T.sstride;
+  const __m512i* tiles = T.data + t0 * stride;
+  const float* sw = T.sw + t0 * sstride;
+  const float* mw = T.mw + t0 * sstride;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < L.groups; ++g) {
+    for (int64_t c = 0; c < cpg; ++c) {
+      const int64_t ch = g * cpg + c;
+      __m512i part[MR][NT];
+      for (int r = 0; r < MR; ++r)
+        for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        __m512i wv[NT];
+        for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + j);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + j]);
+          for (int t = 0; t < NT; ++t) dot_bytes(part[r][t], wv[t], xb);
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
+        for (int r = 0; r < MR; ++r)
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][t]), _mm512_mul_ps(sv, _mm512_set1_ps(xs[r][ch])),
+                                      acc[r][t]);
+      }
+    }
+    if (L.int4) {
+      for (int t = 0; t < NT; ++t) {
+        const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
+        for (int r = 0; r < MR; ++r) acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), acc[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n = n0 + (t0 + t) * 16;
+    const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, acc[r][t]);
+  }
+}
+
+// a task's nt tiles two at a time (they stay in L1/L2 while every row of x passes), the rows in blocks of 4 and 3:
+// block(R, NT, m, t) (R, NT as std::integral_constant) for bf16_block and byte_block; next.step() before each
+template <class Block>
+void two_tiles_at_a_time(int64_t M, int64_t nt, Ahead& next, Block&& block) {
+  const auto rows = [&](auto NT, int64_t t) {
+    mii_vec::by_fours_and_threes(M, [&](int64_t m, int R) {
+      next.step();
+      switch (R) {
+        case 4: block(std::integral_constant<int, 4>{}, NT, m, t); break;
+        case 3: block(std::integral_constant<int, 3>{}, NT, m, t); break;
+        case 2: block(std::integral_constant<int, 2>{}, NT, m, t); break;
+        default: block(std::integral_constant<int, 1>{}, NT, m, t);
+      }
+    });
+  };
+  int64_t t = 0;
+  for (; t + 2 <= nt; t += 2) rows(std::integral_constant<int, 2>{}, t);
+  if (t < nt) rows(std::integral_constant<int, 1>{}, t);
+}
+
+// act8 against a task's nt tiles (byte quads), as bf16_tiles. A layer's four int4 linears (SmolLM2's shapes, bf16 x,
+// 2 threads, Zen 4 EPYC, alternated processes): 16 rows 0.55 → 0.41 ms, 64 rows 1.64 → 1.09, 128 rows 3.16 → 2.00,
+// 256 rows 6.15 → 3.92 against vpdpwssd on int16 in vnni_block's 4 x 4 blocks (bit-identical outputs); 1.07-1.43x
+// the exact bf16 x path (bf16_block) there.
+void byte_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
+                int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
+  Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
+  two_tiles_at_a_time(M, nt, next, [&](auto R, auto NT, int64_t m, int64_t t) {
+    byte_block<decltype(R)::value, decltype(NT)::value>(X, m, K, L, T, t, y, N, n0);
+  });
+}
+
 // every row of x (kRowsX at a time, then the rest) against tiles t0 .. t0+NT-1
 template <int NT, int R = kRowsX>
 inline void vnni_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
@@ -1107,26 +1217,12 @@ void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
 // in blocks of 4 and 3; the next task's weights brought into L2 a few lines a block (`ahead`). That prefetch,
 // alternated in one process on a Zen 4 EPYC (2 threads, a layer's four int4 linears x 30 layers, streamed): 16 rows
 // 20.2 → 18.0 ms, 32 rows 32.4 → 29.9, 64 rows 56.8 → 53.7, 128-256 rows 2% (7 of 7 pairs faster at 16 and 32)
-template <int NT>
-void bf16_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
-               at::BFloat16* yb, int64_t N, int64_t n0, Ahead& next) {
-  mii_vec::by_fours_and_threes(M, [&](int64_t m, int R) {
-    next.step();
-    switch (R) {
-      case 4: bf16_block<4, NT>(X, m, K, L, T, t0, y, yb, N, n0); break;
-      case 3: bf16_block<3, NT>(X, m, K, L, T, t0, y, yb, N, n0); break;
-      case 2: bf16_block<2, NT>(X, m, K, L, T, t0, y, yb, N, n0); break;
-      default: bf16_block<1, NT>(X, m, K, L, T, t0, y, yb, N, n0);
-    }
-  });
-}
-
 void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
                 at::BFloat16* yb, int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
-  int64_t t = 0;
-  for (; t + 2 <= nt; t += 2) bf16_rows<2>(X, M, K, L, T, t, y, yb, N, n0, next);
-  if (t < nt) bf16_rows<1>(X, M, K, L, T, t, y, yb, N, n0, next);
+  two_tiles_at_a_time(M, nt, next, [&](auto R, auto NT, int64_t m, int64_t t) {
+    bf16_block<decltype(R)::value, decltype(NT)::value>(X, m, K, L, T, t, y, yb, N, n0);
+  });
 }
 #endif
 
@@ -1338,7 +1434,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
           upcoming < tasks ? (std::min(p_next + per_task * 8, L.pairs) - p_next) * pair_bytes : 0;
       const uint8_t* next_w = next_bytes ? w + p_next * pair_bytes : nullptr;
 #if defined(MII_QBF16) && defined(MII_AMX)
-      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, rounded);
+      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, rounded, X.bytes);
       if (amx) {
         if (rounded) {
           amx_rounded(X, M, K, T, nt, y, yb, N, t0 * 16, next_w, next_bytes);
@@ -1349,8 +1445,12 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
         continue;
       }
 #else
-      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t);
+      for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, false, X.bytes);
 #endif
+      if (X.bytes) {
+        byte_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
+        continue;
+      }
 #ifdef MII_QBF16
       if (X.bf16) {
         bf16_tiles(X, M, K, L, T, nt, y, yb, N, t0 * 16, next_w, next_bytes);
