@@ -114,7 +114,8 @@ class ModelRunner:
         # the threads of this engine's steps (the plan's), and the stack whose pace may take fewer for its decode
         # steps on a busy CPU (mii_team::Pace, kernels/team.h)
         self.threads = torch.get_num_threads()
-        self.paced = next((m.stack["held"] for m in model.modules() if getattr(m, "stack", None) is not None), None)
+        self.paced = next((m.stack["held"] for m in model.modules() if isinstance(getattr(m, "stack", None), dict)),
+                          None)
         self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
     @staticmethod

@@ -129,11 +129,12 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // thread waiting at every join (parallel_for times that wait). Measured on a Zen 4 EPYC (2 threads, single-stream
 // int4 decode): idle, the calling thread waits 2-12% of a step (the other thread's start, the shares' imbalance,
 // now and then the machine's neighbours: up to 58% over 8 steps); beside a CPU-bound process most of it, and one
-// thread decoded at 163-170 tok/s where two did 67-71 (bench/shared_cpu.py). So: over each window of kWindow regions, a wait above kDrop of their time takes
-// one thread fewer (n - 1 threads beat n once the wait passes 1/n of the time: 1/2 at two); below the configured
-// count, every `interval` regions kProbe regions try one thread more, which stays if their wait is below kRise; a
-// failed try doubles the interval, up to kMaxInterval. The values never depend on the thread count (the kernels'
-// shares split outputs, never a sum): only the time does. MII_THREAD_PACE=0: always the configured threads.
+// thread decoded at 163-170 tok/s where two did 67-71 (bench/shared_cpu.py). So: over each window of kWindow
+// regions, a wait above kDrop of their time takes one thread fewer (n - 1 threads beat n once the wait passes 1/n of
+// the time: 1/2 at two); below the configured count, every `interval` regions kProbe regions try one thread more,
+// which stays if their wait is below kRise; a failed try doubles the interval, up to kMaxInterval. The values never
+// depend on the thread count (the kernels' shares split outputs, never a sum): only the time does.
+// MII_THREAD_PACE=0: always the configured threads.
 class Pace {
  public:
   static constexpr int kWindow = 16, kProbe = 8;
