@@ -692,11 +692,10 @@ void gemv(const float* x, int64_t M, const uint8_t* w, const Layout& L, float* y
 //   running sums in registers (bf16_block).
 // - fp32 x: x rounded per chunk to int16 as the decode path rounds it, the integers as int16, and `vpdpwssd`: a
 //   chunk's sums are exact int32, scaled once (x's scale times the weight scale), the decode path's arithmetic up
-//   to fp32 summation order. `act8`: x rounded to int8, the int4 integers as bytes, `vpdpbusd` (byte_block): the
+//   to fp32 summation order. `act8`: x rounded to int8, the int4 integers as bytes, `vpdpbusd` (int_block): the
 //   same arithmetic with half the instructions.
 // Measured on a Zen 4 EPYC, SmolLM2's shapes at 33-256 rows: vpdpwssd runs at about half vdpbf16ps's rate.
 constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128 bytes)
-constexpr int kRowsX = 4, kTilesX = 4;  // an int16 block: 4 rows of x by 4 tiles, 16 accumulators in registers
 
 // GCC 12 copies the accumulator around every _mm512_dpwssd_epi32 (its pattern does not tie it to the output),
 // which halves the rate: the instructions are spelled out, with the accumulator tied
@@ -711,7 +710,7 @@ inline void dot(__m512& acc, __m512i w, __m512i x) { __asm__("vdpbf16ps %2, %1, 
 // reused buffers).
 struct XPairs {
   bool bf16;       // pairs of bf16 (x exact); otherwise of int16, rounded per chunk
-  bool bytes;      // act8: quads of int8 (byte_block)
+  bool bytes;      // act8: quads of int8 (int_block)
   int32_t* q;      // [rows, K/2]
   float* scale;    // [M, chunks]: int16 only
   float* gsum;     // [rows, groups]: the sum of x (as multiplied) over each weight group, for int4's offsets
@@ -980,58 +979,6 @@ __attribute__((always_inline)) inline void chunk_dots(Acc (&part)[MR][NT], const
   }
 }
 
-// int16 x (fp32 x, or act8): rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1, into y's columns from
-// 16 * t0 + n0. The fp32 sums live in memory (L1), updated once a chunk: the registers hold the weights and the
-// chunk's int32 sums.
-template <int MR, int NT>
-__attribute__((noinline)) void vnni_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
-                                          int64_t t0, float* y, int64_t N, int64_t n0) {
-  const int64_t cpg = L.G / 32;
-  const int32_t* xq[MR];
-  const float *xs[MR], *gs[MR];
-  for (int r = 0; r < MR; ++r) {
-    xq[r] = &X.q[(m0 + r) * (K / 2)], gs[r] = &X.gsum[(m0 + r) * X.groups];
-    xs[r] = &X.scale[(m0 + r) * X.chunks];
-  }
-  const int64_t stride = T.stride, sstride = T.sstride;
-  const __m512i* tiles = T.data + t0 * stride;
-  const float* sw = T.sw + t0 * sstride;
-  const float* mw = T.mw + t0 * sstride;
-  alignas(64) float acc[MR][NT][16];
-  for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < NT; ++t) _mm512_store_ps(acc[r][t], _mm512_setzero_ps());
-  for (int64_t g = 0; g < L.groups; ++g) {
-    for (int64_t c = 0; c < cpg; ++c) {
-      const int64_t ch = g * cpg + c;
-      __m512i part[MR][NT];
-      for (int r = 0; r < MR; ++r)
-        for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_si512();
-      chunk_dots<MR, NT>(part, tiles, stride, xq, ch);
-      for (int t = 0; t < NT; ++t) {  // the chunk's int32 sums times x's scale and the weight scale
-        const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
-        for (int r = 0; r < MR; ++r)
-          _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][t]),
-                                                     _mm512_mul_ps(sv, _mm512_set1_ps(xs[r][ch])),
-                                                     _mm512_load_ps(acc[r][t])));
-      }
-      __asm__ volatile("" ::: "memory");  // keeps acc in memory: the registers are for the chunk's sums
-    }
-    if (L.int4) {
-      for (int t = 0; t < NT; ++t) {
-        const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
-        for (int r = 0; r < MR; ++r)
-          _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), _mm512_load_ps(acc[r][t])));
-      }
-      __asm__ volatile("" ::: "memory");
-    }
-  }
-  for (int t = 0; t < NT; ++t) {
-    const int64_t n = n0 + (t0 + t) * 16;
-    const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, _mm512_load_ps(acc[r][t]));
-  }
-}
-
 #ifdef MII_QBF16
 // a row's 16 sums into y (fp32) or yb (bf16, rounded to nearest even), the columns `valid` only
 inline void store_sums(float* y, at::BFloat16* yb, int64_t at, __mmask16 valid, __m512 v) {
@@ -1040,7 +987,7 @@ inline void store_sums(float* y, at::BFloat16* yb, int64_t at, __mmask16 valid, 
 }
 #endif
 
-// `bytes` at p brought into L2 over `steps` calls of step(), a few lines each (amx_tiles, bf16_tiles, vnni_tiles:
+// `bytes` at p brought into L2 over `steps` calls of step(), a few lines each (amx_tiles, bf16_tiles, int_tiles:
 // the next task's weights, whose unpacking reads 8 places pair_bytes apart, which the hardware prefetcher does not
 // follow)
 struct Ahead {
@@ -1099,14 +1046,14 @@ __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K
 }
 #endif
 
-// act8 (int8 x, int4 weights): rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1 (MR <= 4, NT <= 2), the byte
-// quads of both multiplied by `vpdpbusd` (the weights' nibbles unsigned, x signed: 4 products into each lane, 64 an
-// instruction, where `vpdpwssd` on int16 does 32). A chunk's int32 sums are exact, then scaled (x's scale times the
-// weight scale) into running sums in registers; int4's offsets add m sum(x) per group: vnni_block's arithmetic in
-// its order, so the same results bit for bit.
-template <int MR, int NT>
-__attribute__((noinline)) void byte_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
-                                          int64_t t0, float* y, int64_t N, int64_t n0) {
+// int16 x (fp32 x; bf16 x on CPUs without AVX512-BF16) or, `kBytes`, act8's int8 x (int4 weights): rows m0 ..
+// m0+MR-1 of x against tiles t0 .. t0+NT-1 (MR <= 4, NT <= 2). int16: one `vpdpwssd` a word pair (chunk_dots);
+// int8: the byte quads of both multiplied by `vpdpbusd` (the weights' nibbles unsigned, x signed: 4 products into
+// each lane, 64 an instruction). A chunk's int32 sums are exact, then scaled (x's scale times the weight scale) into
+// running sums in registers; int4's offsets add m sum(x) per group.
+template <int MR, int NT, bool kBytes>
+__attribute__((noinline)) void int_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
+                                         int64_t t0, float* y, int64_t N, int64_t n0) {
   const int64_t cpg = L.G / 32;
   const int32_t* xq[MR];
   const float *xs[MR], *gs[MR];
@@ -1127,13 +1074,17 @@ __attribute__((noinline)) void byte_block(const XPairs& X, int64_t m0, int64_t K
       __m512i part[MR][NT];
       for (int r = 0; r < MR; ++r)
         for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        __m512i wv[NT];
-        for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + j);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + j]);
-          for (int t = 0; t < NT; ++t) dot_bytes(part[r][t], wv[t], xb);
+      if constexpr (kBytes) {
+        for (int j = 0; j < 8; ++j) {
+          __m512i wv[NT];
+          for (int t = 0; t < NT; ++t) wv[t] = _mm512_load_si512(tiles + t * stride + ch * 16 + j);
+          for (int r = 0; r < MR; ++r) {
+            const __m512i xb = _mm512_set1_epi32(xq[r][ch * 16 + j]);
+            for (int t = 0; t < NT; ++t) dot_bytes(part[r][t], wv[t], xb);
+          }
         }
+      } else {
+        chunk_dots<MR, NT>(part, tiles, stride, xq, ch);
       }
       for (int t = 0; t < NT; ++t) {
         const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
@@ -1157,7 +1108,7 @@ __attribute__((noinline)) void byte_block(const XPairs& X, int64_t m0, int64_t K
 }
 
 // a task's nt tiles two at a time (they stay in L1/L2 while every row of x passes), the rows in blocks of 4 and 3:
-// block(R, NT, m, t) (R, NT as std::integral_constant) for bf16_block and byte_block; next.step() before each
+// block(R, NT, m, t) (R, NT as std::integral_constant) for bf16_block and int_block; next.step() before each
 template <class Block>
 void two_tiles_at_a_time(int64_t M, int64_t nt, Ahead& next, Block&& block) {
   const auto rows = [&](auto NT, int64_t t) {
@@ -1176,40 +1127,18 @@ void two_tiles_at_a_time(int64_t M, int64_t nt, Ahead& next, Block&& block) {
   if (t < nt) rows(std::integral_constant<int, 1>{}, t);
 }
 
-// act8 against a task's nt tiles (byte quads), as bf16_tiles. A layer's four int4 linears (SmolLM2's shapes, bf16 x,
-// 2 threads, Zen 4 EPYC, alternated processes): 16 rows 0.55 → 0.41 ms, 64 rows 1.64 → 1.09, 128 rows 3.16 → 2.00,
-// 256 rows 6.15 → 3.92 against vpdpwssd on int16 in vnni_block's 4 x 4 blocks (bit-identical outputs); 1.07-1.43x
-// the exact bf16 x path (bf16_block) there.
-void byte_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
-                int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
+// int16 or (kBytes) int8 x against a task's nt tiles, as bf16_tiles. act8's bytes against its former int16 pairs
+// in 4 x 4 blocks with the running sums in L1 (`vpdpwssd`), a layer's four int4 linears (SmolLM2's shapes, bf16 x,
+// 2 threads, Zen 4 EPYC, alternated processes): 16 rows 0.55 → 0.41 ms, 64 rows 1.64 → 1.09, 128 rows 3.16 →
+// 2.00, 256 rows 6.15 → 3.92 (bit-identical outputs); 1.07-1.43x the exact bf16 x path (bf16_block) there.
+// (ahead: the thread's next task's weight bytes, brought into L2 over this task's blocks, as bf16_tiles does)
+template <bool kBytes>
+void int_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
+               int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
   Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
   two_tiles_at_a_time(M, nt, next, [&](auto R, auto NT, int64_t m, int64_t t) {
-    byte_block<decltype(R)::value, decltype(NT)::value>(X, m, K, L, T, t, y, N, n0);
+    int_block<decltype(R)::value, decltype(NT)::value, kBytes>(X, m, K, L, T, t, y, N, n0);
   });
-}
-
-// every row of x (kRowsX at a time, then the rest) against tiles t0 .. t0+NT-1
-template <int NT, int R = kRowsX>
-inline void vnni_rows(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t t0, float* y,
-                      int64_t N, int64_t n0, Ahead& next, int64_t m = 0) {
-  if constexpr (R == kRowsX) {
-    for (; m + R <= M; m += R) next.step(), vnni_block<R, NT>(X, m, K, L, T, t0, y, N, n0);
-    vnni_rows<NT, R - 1>(X, M, K, L, T, t0, y, N, n0, next, m);
-  } else if constexpr (R > 0) {
-    if (M - m == R)
-      next.step(), vnni_block<R, NT>(X, m, K, L, T, t0, y, N, n0);
-    else
-      vnni_rows<NT, R - 1>(X, M, K, L, T, t0, y, N, n0, next, m);
-  }
-}
-
-// (ahead: the thread's next task's weight bytes, brought into L2 over this task's blocks, as bf16_tiles does)
-void vnni_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
-                int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
-  Ahead next(ahead, ahead_bytes, (nt / kTilesX + nt % kTilesX) * ((M + kRowsX - 1) / kRowsX));
-  int64_t t = 0;
-  for (; t + kTilesX <= nt; t += kTilesX) vnni_rows<kTilesX>(X, M, K, L, T, t, y, N, n0, next);
-  for (; t < nt; ++t) vnni_rows<1>(X, M, K, L, T, t, y, N, n0, next);
 }
 
 #ifdef MII_QBF16
@@ -1448,7 +1377,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
       for (int64_t t = 0; t < nt; ++t) unpack_tile(w, L, (t0 + t) * 8, X.bf16, T, t, false, X.bytes);
 #endif
       if (X.bytes) {
-        byte_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
+        int_tiles<true>(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
         continue;
       }
 #ifdef MII_QBF16
@@ -1457,7 +1386,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
         continue;
       }
 #endif
-      vnni_tiles(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
+      int_tiles<false>(X, M, K, L, T, nt, y, N, t0 * 16, next_w, next_bytes);
     }
 #if defined(MII_QBF16) && defined(MII_AMX)
     if (amx) _tile_release();
