@@ -17,10 +17,11 @@
 //   fp32-level differences upstream (its batch), where 16-bit rounding keeps them below bf16's precision.
 // - More rows (prompt chunks, big batches; from 9 rows on CPUs with AVX-512 VNNI and VBMI): 16-row tiles of the weights'
 //   integers unpacked into L2, one `vdpbf16ps` (bf16 x) or `vpdpwssd` (x rounded as above) a 16-row pair of
-//   columns, or with `act8` one `vpdpbusd` a 16-row quad of columns: see vnni_gemm below. Elsewhere each task dequantizes a block of rows into an fp32 buffer that stays
-//   in cache and multiplies it with ATen's fp32 GEMM, x rounded the same way first. Either way a row's result does
-//   not depend on how many rows share its step beyond fp32 summation order and, for bf16 x, the int16 rounding of
-//   decode rows (batch invariance, prefix caching: differences far below the bf16 result's own rounding).
+//   columns, or with `act8` one `vpdpbusd` a 16-row quad of columns: see vnni_gemm below. Elsewhere each task
+//   dequantizes a block of rows into an fp32 buffer that stays in cache and multiplies it with ATen's fp32 GEMM, x
+//   rounded the same way first. Either way a row's result does not depend on how many rows share its step beyond
+//   fp32 summation order and, for bf16 x, the int16 rounding of decode rows (batch invariance, prefix caching:
+//   differences far below the bf16 result's own rounding).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -712,7 +713,7 @@ struct XPairs {
   bool bf16;       // pairs of bf16 (x exact); otherwise of int16, rounded per chunk
   bool bytes;      // act8: quads of int8 (int_block)
   int32_t* q;      // [rows, K/2]
-  float* scale;    // [M, chunks]: int16 only
+  float* scale;    // [M, chunks]: int16 or int8 x only
   float* gsum;     // [rows, groups]: the sum of x (as multiplied) over each weight group, for int4's offsets
   int64_t chunks, groups;
 
