@@ -85,3 +85,10 @@ def amx_disabled() -> bool:
     """MII_AMX=0 keeps the CPU kernels off AMX tiles (the AVX-512 path for every row count); read per call by the
     kernels themselves (`mii_vec::amx_usable`), and here for the plan."""
     return os.environ.get("MII_AMX", "1") == "0"
+
+
+def thread_pace_disabled() -> bool:
+    """MII_THREAD_PACE=0 keeps the plan's threads for every step, where by default the decode steps take fewer while
+    other processes keep them waiting (`mii_team::Pace` in kernels/team.h, which reads it as each model's stack is
+    held); here for the plan."""
+    return os.environ.get("MII_THREAD_PACE", "1") == "0"

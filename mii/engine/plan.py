@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mii.config import ModelConfig
-from mii.envs import amx_disabled, cpu_flags, kernels_disabled, quant_tiles_bf16, ranks_on_this_host
+from mii.envs import (amx_disabled, cpu_flags, kernels_disabled, quant_tiles_bf16, ranks_on_this_host,
+                      thread_pace_disabled)
 from mii.errors import KVCacheError, ValidationError
 
 log = logging.getLogger("mii")
@@ -191,7 +192,7 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
     if not cfg.num_threads:
         reasons["threads"] = ("auto: every core this process may use" if ranks == 1 else
                               f"auto: {cores} cores shared by {ranks} tensor-parallel ranks, per rank")
-    if threads > 1 and device == "cpu" and os.environ.get("MII_THREAD_PACE", "1") != "0":
+    if threads > 1 and device == "cpu" and not thread_pace_disabled():
         reasons["threads"] = ((reasons["threads"] + "; ") if "threads" in reasons else "") + (
             "fewer while other processes keep the decode steps' threads waiting (mii's decoder stack times them; "
             "MII_THREAD_PACE=0: never)")
