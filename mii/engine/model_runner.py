@@ -234,8 +234,7 @@ class ModelRunner:
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
         """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none). On
         the plan's threads, or fewer where the decoder stack's pace has seen them kept waiting by a busy CPU."""
-        n = self.threads if self.paced is None else torch.ops.mii.stack_threads(self.paced, len(meta.input_ids),
-                                                                                 self.threads)
+        n = self.threads if self.paced is None else torch.ops.mii.stack_threads(self.paced, self.threads)
         if n == self.threads:
             return self._execute(meta)
         torch.set_num_threads(n)

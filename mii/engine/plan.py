@@ -194,7 +194,7 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
                               f"auto: {cores} cores shared by {ranks} tensor-parallel ranks, per rank")
     if threads > 1 and device == "cpu" and not thread_pace_disabled():
         reasons["threads"] = ((reasons["threads"] + "; ") if "threads" in reasons else "") + (
-            "fewer while other processes keep the decode steps' threads waiting (mii's decoder stack times them; "
+            "fewer while other processes take the steps' threads off their cores (mii's decoder stack times them; "
             "MII_THREAD_PACE=0: never)")
     if cfg.tensor_parallel > 1:
         reasons["tensor parallel"] = (f"one process per rank, {'NCCL' if device.startswith('cuda') else 'gloo'}; "

@@ -65,9 +65,9 @@ _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor stack, Tensor slot
             "Tensor seq_lens, Tensor block_tables, int max_query_len, int n_heads, int n_kv_heads, int head_dim, "
             "float scale, float eps, float norm_offset, bool act8=False, Tensor? final_norm=None) -> (Tensor, Tensor)")
 _lib.define("stack_few_rows(Tensor stack) -> int")
-_lib.define("stack_threads(Tensor stack, int rows, int configured) -> int")
+_lib.define("stack_threads(Tensor stack, int configured) -> int")
 _lib.define("stack_pace(Tensor stack) -> int[]")
-_lib.define("pace_trace(Tensor waits, int threads) -> Tensor")
+_lib.define("pace_trace(Tensor waits, int threads, float step_ms=20.) -> Tensor")
 
 
 @torch.library.register_fake("mii::paged_attention")

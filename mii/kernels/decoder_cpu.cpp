@@ -226,33 +226,36 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
 #endif
   }
   at::Tensor x = x_in, residual;
-  for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor* p = params.data() + i * P;
-    at::Tensor h;
-    if (i == 0) {
-      h = std::get<0>(rms_norm_cpu(x, c10::nullopt, p[0], eps, norm_offset));
-      residual = x;
-    } else {
-      std::tie(h, residual) = rms_norm_cpu(x, residual, p[0], eps, norm_offset);
+  // each kernel its own parallel region, their joins' waits told to the handle's pace
+  mii_team::timed([&] {
+    for (int64_t i = 0; i < layers; ++i) {
+      const at::Tensor* p = params.data() + i * P;
+      at::Tensor h;
+      if (i == 0) {
+        h = std::get<0>(rms_norm_cpu(x, c10::nullopt, p[0], eps, norm_offset));
+        residual = x;
+      } else {
+        std::tie(h, residual) = rms_norm_cpu(x, residual, p[0], eps, norm_offset);
+      }
+      const at::Tensor qkv = linear(h, p[1], p[2], act8);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
+      if (p[12].numel() > 0) {  // one RMSNorm over head_dim for every head (Qwen3): new dense q and k, as eager
+        q = std::get<0>(rms_norm_cpu(q.reshape({-1, head_dim}), c10::nullopt, p[12], eps, norm_offset))
+                .view({T, n_heads, head_dim});
+        k = std::get<0>(rms_norm_cpu(k.reshape({-1, head_dim}), c10::nullopt, p[13], eps, norm_offset))
+                .view({T, n_kv_heads, head_dim});
+      }
+      rotary_cpu(q, k, positions, p[10], p[11]);
+      at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
+      const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
+                                                  block_tables, max_query_len, scale, windows[i]);
+      const at::Tensor o = linear(attn, p[3], p[4], act8, /*bias_after=*/true);
+      std::tie(h, residual) = rms_norm_cpu(o, residual, p[5], eps, norm_offset);
+      x = linear(silu_and_mul_cpu(linear(h, p[6], p[7], act8)), p[8], p[9], act8, /*bias_after=*/true);
     }
-    const at::Tensor qkv = linear(h, p[1], p[2], act8);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
-    if (p[12].numel() > 0) {  // one RMSNorm over head_dim for every head (Qwen3): new dense q and k, as eager
-      q = std::get<0>(rms_norm_cpu(q.reshape({-1, head_dim}), c10::nullopt, p[12], eps, norm_offset))
-              .view({T, n_heads, head_dim});
-      k = std::get<0>(rms_norm_cpu(k.reshape({-1, head_dim}), c10::nullopt, p[13], eps, norm_offset))
-              .view({T, n_kv_heads, head_dim});
-    }
-    rotary_cpu(q, k, positions, p[10], p[11]);
-    at::Tensor k_cache = caches[2 * i], v_cache = caches[2 * i + 1];
-    const at::Tensor attn = paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, query_start, seq_lens,
-                                                block_tables, max_query_len, scale, windows[i]);
-    const at::Tensor o = linear(attn, p[3], p[4], act8, /*bias_after=*/true);
-    std::tie(h, residual) = rms_norm_cpu(o, residual, p[5], eps, norm_offset);
-    x = linear(silu_and_mul_cpu(linear(h, p[6], p[7], act8)), p[8], p[9], act8, /*bias_after=*/true);
-  }
+  }, pace);
   if (final_norm.has_value() && final_norm->defined() && layers > 0)
     return rms_norm_cpu(x, residual, *final_norm, eps, norm_offset);
   return {x, residual};
@@ -323,16 +326,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_held_cpu(
 // mii::stack_few_rows: whether a handle's steps of 1-8 rows take few_rows_stack (-1: none has run yet, 0: no, 1: yes)
 int64_t stack_few_rows_cpu(const at::Tensor& handle) { return held_stack(handle).few_rows; }
 
-// mii::stack_threads: the threads a handle's step of `rows` rows takes, of the `configured` (the engine sets them for
-// the step): as many as its pace (mii_team::Pace) gives, fewer where it has seen a step's threads kept waiting on a
-// busy CPU. Steps of 1-8 rows run its tries of one thread more; longer steps (prompts, big batches) take the count
-// between tries: beside a CPU-bound process (Zen 4, 2 threads) a 128-token prompt's first token took 300-485 ms on
-// two threads and 173-186 on one.
-int64_t stack_threads_cpu(const at::Tensor& handle, int64_t rows, int64_t configured) {
-  StackParams& h = held_stack(handle);
-  if (h.few_rows != 1) return configured;  // (the pace learns from the few-rows steps' region)
-  const int n = h.pace->threads(static_cast<int>(configured));
-  return rows >= 1 && rows <= kFewRows ? n : h.pace->settled();
+// mii::stack_threads: the threads a handle's next step takes, of the `configured` (the engine sets them for the
+// step): as many as its pace (mii_team::Pace) gives, fewer where it has seen a step's threads kept waiting on a busy
+// CPU, and one more on its tries. Every step counts, of any rows: beside a CPU-bound process (Zen 4, 2 threads) a
+// 128-token prompt's first token took 300-485 ms on two threads and 173-186 on one, 32 streams' 64 tokens each
+// 12.3-19.9 s and 7.2.
+int64_t stack_threads_cpu(const at::Tensor& handle, int64_t configured) {
+  return held_stack(handle).pace->threads(static_cast<int>(configured));
 }
 
 // mii::stack_pace: a handle's pace: [the threads its steps of 1-8 rows take between tries of one more; how often it
@@ -342,19 +342,20 @@ std::vector<int64_t> stack_pace_cpu(const at::Tensor& handle) {
   return {p.settled(), p.drops, p.probes, p.rises};
 }
 
-// mii::pace_trace: the threads a fresh pace of `threads` gives region after region, where each region of more than
-// one thread keeps the calling thread waiting waits[i] of its time (the pace's rules, on a trace)
-at::Tensor pace_trace_cpu(const at::Tensor& waits, int64_t threads) {
+// mii::pace_trace: the threads a fresh pace of `threads` gives step after step, where each step takes `step_ms` and
+// loses waits[i] of its calling thread's time if it has more than one thread (the pace's rules, on a trace)
+at::Tensor pace_trace_cpu(const at::Tensor& waits, int64_t threads, double step_ms) {
   TORCH_CHECK(waits.dim() == 1 && waits.scalar_type() == at::kDouble, "pace_trace: waits must be 1-D float64");
   TORCH_CHECK(threads >= 1, "pace_trace: threads must be at least 1");
+  TORCH_CHECK(step_ms > 0, "pace_trace: step_ms must be positive");
   const at::Tensor w = waits.contiguous();
   at::Tensor out = at::empty({w.numel()}, at::TensorOptions().dtype(at::kLong));
   mii_team::Pace pace(static_cast<int>(threads), /*enabled=*/true);
-  constexpr int64_t kNs = 1000000;
+  const int64_t ns = static_cast<int64_t>(step_ms * 1e6);
   for (int64_t i = 0; i < w.numel(); ++i) {
     const int n = pace.threads(static_cast<int>(threads));
     const double f = std::min(1.0, std::max(0.0, w.data_ptr<double>()[i]));
-    pace.record(n, kNs, n > 1 ? static_cast<int64_t>(f * kNs) : 0);
+    pace.record(n, ns, n > 1 ? static_cast<int64_t>(f * ns) : 0);
     out.data_ptr<int64_t>()[i] = n;
   }
   return out;

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "bf16_vec.h"
+#include "team.h"
 
 namespace {
 
@@ -26,7 +27,7 @@ template <typename T> inline float round_to(float x) { return static_cast<float>
 // rows of a [T, n] tensor in parallel, a grain of rows per task sized so a task is not tiny
 template <typename F> void for_rows(int64_t rows, int64_t width, const F& fn) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) fn(r);
   });
 }

@@ -117,7 +117,7 @@ template <int R>
 void gemv(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   // a task streams at least ~64 KB of weights, in whole groups of R rows
   const int64_t grain = std::max<int64_t>(R, (32768 / std::max<int64_t>(K, 1)) / R * R);
-  at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, grain / R), [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, grain / R), [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
       const int64_t n0 = g * R;
       if (n0 + R <= N) {
@@ -233,7 +233,7 @@ inline void tiled_group(const float* x, int64_t M, int64_t K, const uint16_t* gr
 void tiled_gemv(const float* x, int64_t M, int64_t K, const uint16_t* tiles, int64_t N, float* y) {
   const int64_t groups = N / 8, group_elems = K * 8;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(group_elems, 1));  // ~64 KB a task
-  at::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) tiled_group(x, M, K, tiles + g * group_elems, y + g * 8, N);
   });
 }
@@ -267,7 +267,7 @@ void blocked_gemm(const at::Tensor& x, const uint16_t* w, bool tiled, int64_t N,
   const int64_t blocks = ((N + kGemmBlock - 1) / kGemmBlock + threads - 1) / threads * threads;
   const int64_t rows = ((N + blocks - 1) / blocks + 7) / 8 * 8;
   const bool inference = c10::InferenceMode::is_enabled();  // OpenMP threads do not inherit it
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
     c10::InferenceMode guard(inference);
     std::vector<float> buf(rows * K);
     auto wt = at::from_blob(buf.data(), {rows, K}, at::TensorOptions().dtype(at::kFloat));
@@ -443,7 +443,7 @@ void kpair_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tiles, 
 #else
   const int64_t per_task = kSuper;
 #endif
-  at::parallel_for(0, (groups + per_task - 1) / per_task, 1, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, (groups + per_task - 1) / per_task, 1, [&](int64_t b, int64_t e) {
     for (int64_t sg = b; sg < e; ++sg) {
       const int64_t g0 = sg * per_task, ng = std::min(per_task, groups - g0);
       const uint16_t* w = tiles + g0 * group_elems;
@@ -484,7 +484,7 @@ inline void for_elements(int64_t n, F&& f) {  // f(begin, end) over [0, n), in p
   if (n < 2 * kConvertGrain) {
     f(0, n);
   } else {
-    at::parallel_for(0, n, kConvertGrain, f);
+    mii_team::parallel_for(0, n, kConvertGrain, f);
   }
 }
 

@@ -128,7 +128,7 @@ at::Tensor round_x(const at::Tensor& x) {
   const float* src = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t chunks = x.numel() / 32;
-  at::parallel_for(0, chunks, 256, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, chunks, 256, [&](int64_t b, int64_t e) {
     Q v[32];
     for (int64_t c = b; c < e; ++c) {
       const float s = round_chunk(src + c * 32, v);
@@ -343,7 +343,7 @@ template <class Pair>
 void for_pairs(const uint8_t* w, int64_t M, const Layout& L, Pair&& pair) {
   const int64_t pair_bytes = L.groups * L.block;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(pair_bytes, 1));
-  at::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, L.pairs, grain, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const uint8_t* pw = w + p * pair_bytes;
       by_quads(M, [&](int64_t m0, int R) {
@@ -742,7 +742,7 @@ struct XPairs {
     // (the data pointers taken once: data_ptr's checks a chunk were 3% of a [576, 1536] linear's samples at 256 rows)
     const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()) : nullptr;
     const float* xs = bf16 ? nullptr : xf.data_ptr<float>();
-    at::parallel_for(0, M, 32, [&](int64_t b, int64_t e) {
+    mii_team::parallel_for(0, M, 32, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) {
         int32_t* out = &q[m * (K / 2)];
         for (int64_t c = 0; c < chunks; ++c, out += 16) {
@@ -1343,7 +1343,7 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
   const int64_t tasks = (tiles + per_task - 1) / per_task;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  mii_team::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // per thread, kept between calls: freed, glibc would hand the pages back and fault them in again every call
     thread_local std::vector<__m512i> data;
     thread_local std::vector<float> sw, mw;
@@ -1402,7 +1402,7 @@ void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Te
   const int64_t blocks = ((L.pairs + kGemmPairs - 1) / kGemmPairs + threads - 1) / threads * threads;
   const int64_t pairs = (L.pairs + blocks - 1) / blocks;
   const bool inference = c10::InferenceMode::is_enabled();  // OpenMP threads do not inherit it
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+  mii_team::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
     c10::InferenceMode guard(inference);
     std::vector<float> buf(2 * pairs * K);
     auto wt = at::from_blob(buf.data(), {2 * pairs, K}, at::TensorOptions().dtype(at::kFloat));

@@ -7,8 +7,8 @@
 // Outside a region it is at::parallel_for. The shares are at::parallel_for's (OpenMP backend), so a kernel's
 // threads do the same work either way and its results are the same. Alternated every 4 steps in one process (Zen 4,
 // 2 threads): single-stream int4 steps 2.3-3.8% faster (6 of 6 rounds), bf16 1.5-3.9%; 4 streams even. The calling
-// thread's waits at the joins are timed for the region's Pace (below): fewer threads on a busy CPU. Included by
-// the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
+// thread's waits at the joins, and its time off its core, are told to the step's Pace (below): fewer threads on a
+// busy CPU. Included by the kernels' sources; part of the build's hash (mii/kernels/__init__.py).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
@@ -45,6 +46,12 @@ struct alignas(64) Flag {
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+inline int64_t thread_cpu_ns() {  // the calling thread's time on a core
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 struct Team {
@@ -92,11 +99,30 @@ inline Team*& current() {
   return team;
 }
 
-// at::parallel_for(begin, end, grain, f), the shares handed to the current region's threads when there is one
+// where the calling thread's waits at the joins of at::parallel_for's regions add up while timed() runs (set on that
+// thread alone)
+inline int64_t*& join_waits() {
+  static thread_local int64_t* waits = nullptr;
+  return waits;
+}
+
+// at::parallel_for(begin, end, grain, f), the shares handed to the current region's threads when there is one.
+// Outside a region, under timed(), the calling thread's wait from the end of its own share to the join is added up.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   Team* team = current();
-  if (team == nullptr) return at::parallel_for(begin, end, grain, f);
+  if (team == nullptr) {
+    int64_t* waits = join_waits();
+    if (waits == nullptr || at::get_num_threads() == 1 || at::in_parallel_region())
+      return at::parallel_for(begin, end, grain, f);
+    int64_t mine = 0;  // when the calling thread (thread 0) finished its share
+    at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+      f(b, e);
+      if (at::get_thread_num() == 0) mine = now_ns();
+    });
+    if (mine != 0) *waits += now_ns() - mine;
+    return;
+  }
   if (begin >= end) return;
   const int64_t n = end - begin;
   if (n <= grain || n == 1 || team->threads == 1) return f(begin, end);
@@ -124,21 +150,24 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     }
 }
 
-// How many of its configured threads a model's decode steps take, on a CPU that other processes may be using. A
-// region's shares are equal and fixed, so a thread that loses its core to another process keeps the calling
-// thread waiting at every join (parallel_for times that wait). Measured on a Zen 4 EPYC (2 threads, single-stream
-// int4 decode): idle, the calling thread waits 2-12% of a step (the other thread's start, the shares' imbalance,
-// now and then the machine's neighbours: up to 58% over 8 steps); beside a CPU-bound process most of it, and one
-// thread decoded at 163-170 tok/s where two did 67-71 (bench/shared_cpu.py). So: over each window of kWindow
-// regions, a wait above kDrop of their time takes one thread fewer (n - 1 threads beat n once the wait passes 1/n of
-// the time: 1/2 at two); below the configured count, every `interval` regions kProbe regions try one thread more,
-// which stays if their wait is below kRise; a failed try doubles the interval, up to kMaxInterval. The values never
-// depend on the thread count (the kernels' shares split outputs, never a sum): only the time does.
-// MII_THREAD_PACE=0: always the configured threads.
+// How many of its configured threads a model's steps take, on a CPU that other processes may be using. A region's
+// shares are equal and fixed, so a thread that loses its core to another process keeps the calling thread waiting
+// at every join (parallel_for times that wait), and threads that share a core slow each other's shares. So each
+// step tells its pace how much of its time the calling thread lost: waiting at the joins, or off its core
+// (Stopwatch). Measured on a Zen 4 EPYC (2 threads), over windows of 16 steps: idle, single-stream int4 decode
+// steps lost 2-17% waiting (the other thread's start, the shares' imbalance) and 0-22% off the core (the machine's
+// neighbours, up to 36 ms at a time), prompt steps and 32 streams' decode steps 5-10% in all; beside one CPU-bound
+// process, 85-100% (off the core half the time, waiting 40-80% of the rest). There one thread decoded at 135-170
+// tok/s where two did 44-71, and 32 streams' 64 tokens each took 7.1-7.5 s where two threads took 16.8-19.9
+// (bench/shared_cpu.py). So: over each window of at least kWindow steps and kWindowNs, a loss above kDrop of their
+// time takes one thread fewer (n - 1 threads beat n once the loss passes 1/n of the time: 1/2 at two); below the
+// configured count, every `interval` steps kProbe steps try one thread more, which stays if their loss is below
+// kRise; a failed try doubles the interval, up to kMaxInterval. The values never depend on the thread count (the
+// kernels' shares split outputs, never a sum): only the time does. MII_THREAD_PACE=0: always the configured threads.
 class Pace {
  public:
   static constexpr int kWindow = 16, kProbe = 8;
-  static constexpr int64_t kFirstInterval = 16, kMaxInterval = 256;
+  static constexpr int64_t kFirstInterval = 16, kMaxInterval = 256, kWindowNs = 200000000;
   static constexpr double kDrop = 0.5, kRise = 0.3;
 
   explicit Pace(int configured = 0, bool enabled = from_env()) : enabled_(enabled), full_(configured), n_(configured) {}
@@ -148,34 +177,34 @@ class Pace {
     return v == nullptr || !(v[0] == '0' && v[1] == 0);
   }
 
-  // the threads the next region takes, of `configured` (a new configured count starts afresh)
+  // the threads the next step takes, of `configured` (a new configured count starts afresh)
   int threads(int configured) {
     if (configured != full_) *this = Pace(configured, enabled_);
     return probe_left_ > 0 ? n_ + 1 : n_;
   }
   int settled() const { return n_; }  // the count between tries
 
-  // a region of `threads` threads took `ns`, of which the calling thread waited `waited` for the others
-  void record(int threads, int64_t ns, int64_t waited) {
+  // a step of `threads` threads took `ns`, of which the calling thread lost `lost`
+  void record(int threads, int64_t ns, int64_t lost) {
     if (!enabled_ || full_ <= 1) return;
     if (probe_left_ > 0) {
-      if (threads == n_ + 1) probe_ns_ += ns, probe_wait_ += waited;
+      if (threads == n_ + 1) probe_ns_ += ns, probe_lost_ += lost;
       if (--probe_left_ == 0) {
-        if (probe_wait_ < kRise * probe_ns_) {
+        if (probe_lost_ < kRise * probe_ns_) {
           ++n_, ++rises;
           interval_ = kFirstInterval;
         } else {
           interval_ = std::min(2 * interval_, kMaxInterval);
         }
-        probe_ns_ = probe_wait_ = 0, since_ = 0;
+        probe_ns_ = probe_lost_ = 0, since_ = 0;
       }
       return;
     }
     if (n_ > 1 && threads == n_) {
-      window_ns_ += ns, window_wait_ += waited;
-      if (++window_ == kWindow) {
-        const bool drop = windows_++ > 0 && window_wait_ > kDrop * window_ns_;  // (the first window: a warm-up)
-        window_ = 0, window_ns_ = window_wait_ = 0;
+      window_ns_ += ns, window_lost_ += lost;
+      if (++window_ >= kWindow && window_ns_ >= kWindowNs) {
+        const bool drop = windows_++ > 0 && window_lost_ > kDrop * window_ns_;  // (the first window: a warm-up)
+        window_ = 0, window_ns_ = window_lost_ = 0;
         if (drop) {
           --n_, ++drops;
           interval_ = kFirstInterval, since_ = 0;
@@ -193,16 +222,30 @@ class Pace {
   int full_, n_;
   int window_ = 0, probe_left_ = 0;
   int64_t windows_ = 0, since_ = 0, interval_ = kFirstInterval;
-  int64_t window_ns_ = 0, window_wait_ = 0, probe_ns_ = 0, probe_wait_ = 0;
+  int64_t window_ns_ = 0, window_lost_ = 0, probe_ns_ = 0, probe_lost_ = 0;
+};
+
+// A step's time as its Pace hears it: how long it took, and how much of that its calling thread lost, waiting at
+// the joins (`waited`) or off its core (another thread, of this process or another, had it)
+class Stopwatch {
+ public:
+  void tell(Pace* pace, int threads, int64_t waited) const {
+    if (pace == nullptr) return;
+    const int64_t ns = now_ns() - wall_, off = ns - (thread_cpu_ns() - cpu_);
+    pace->record(threads, ns, std::min(ns, waited + std::max<int64_t>(off, 0)));
+  }
+
+ private:
+  int64_t wall_ = now_ns(), cpu_ = thread_cpu_ns();
 };
 
 // body() on the calling thread, inside one parallel region of at::get_num_threads() threads whose kernels'
-// mii_team::parallel_for calls are shared out there; body's exception comes out of run. `pace`: told how long the
-// region took and how long its calling thread waited at the joins.
+// mii_team::parallel_for calls are shared out there; body's exception comes out of run. `pace`: told what the
+// region's calling thread lost (Stopwatch).
 template <class Body>
 void run(const Body& body, Pace* pace = nullptr) {
   const int threads = at::get_num_threads();
-  const int64_t start = pace != nullptr ? now_ns() : 0;
+  const Stopwatch watch;
 #ifdef _OPENMP
   if (threads > 1 && current() == nullptr && !omp_in_parallel()) {
     std::exception_ptr error;
@@ -225,12 +268,32 @@ void run(const Body& body, Pace* pace = nullptr) {
       }
     }
     if (error) std::rethrow_exception(error);
-    if (pace != nullptr) pace->record(team.threads, now_ns() - start, team.waited);
+    watch.tell(pace, team.threads, team.waited);
     return;
   }
 #endif
   body();
-  if (pace != nullptr) pace->record(1, now_ns() - start, 0);
+  watch.tell(pace, 1, 0);
+}
+
+// body() on the calling thread, each of its kernels' parallel_for calls a region of its own (at::parallel_for: a step
+// of many rows, whose kernels may call torch's own, oneDNN's), the calling thread's loss told to `pace`
+// (Stopwatch; its waits at those regions' joins summed by parallel_for).
+template <class Body>
+void timed(const Body& body, Pace* pace) {
+  if (pace == nullptr || join_waits() != nullptr) return body();
+  struct Unset {
+    ~Unset() { join_waits() = nullptr; }
+  };
+  const int threads = at::get_num_threads();
+  const Stopwatch watch;
+  int64_t waits = 0;
+  {
+    Unset unset;
+    join_waits() = &waits;
+    body();
+  }
+  watch.tell(pace, threads, waits);
 }
 
 }  // namespace mii_team

@@ -1,8 +1,9 @@
-"""The decode steps' thread pace (mii_team::Pace, kernels/team.h): on a CPU that other processes keep busy, a region
-of equal shares waits for whichever thread lost its core, so the stack's steps take fewer threads while their
-calling thread waits too long at the joins, and try one more now and then. The rules on traces (mii::pace_trace),
-then the embedded model beside real CPU-bound processes: fewer threads there, the same tokens, back to the plan's
-threads once the machine is idle, and never with MII_THREAD_PACE=0."""
+"""The steps' thread pace (mii_team::Pace, kernels/team.h): on a CPU that other processes keep busy, a region of
+equal shares waits for whichever thread lost its core, so the stack's steps take fewer threads while their calling
+thread loses too much of its time (waiting at the joins, or off its core), and try one more now and then. The rules
+on traces (mii::pace_trace), then the embedded model beside real CPU-bound processes: fewer threads there for a
+single stream's decode steps and for a batch's, the same tokens, back to the plan's threads once the machine is
+idle, and never with MII_THREAD_PACE=0."""
 import os
 import subprocess
 import sys
@@ -17,33 +18,43 @@ from mii.envs import cpu_flags
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
                                 reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
 
-# the pace's constants (team.h): regions a window, regions a try, the first and longest intervals between tries
-WINDOW, PROBE, FIRST, LONGEST = 16, 8, 16, 256
+# the pace's constants (team.h): steps a window, steps a try, the first and longest intervals between tries, and a
+# window's least time (ms); traces' steps take 20 ms unless told
+WINDOW, PROBE, FIRST, LONGEST, WINDOW_MS = 16, 8, 16, 256, 200
 
 
-def trace(waits: list[float], threads: int = 2) -> list[int]:
-    return torch.ops.mii.pace_trace(torch.tensor(waits, dtype=torch.float64), threads).tolist()
+def trace(waits: list[float], threads: int = 2, step_ms: float = 20.0) -> list[int]:
+    return torch.ops.mii.pace_trace(torch.tensor(waits, dtype=torch.float64), threads, step_ms).tolist()
 
 
 def runs(*parts: tuple[int, int]) -> list[int]:
-    """(threads, regions), ... as one list of threads a region"""
+    """(threads, steps), ... as one list of threads a step"""
     return [n for n, count in parts for _ in range(count)]
 
 
-def tries_failing(regions: int, threads: int = 1) -> list[int]:
-    """after a drop to `threads` on a CPU that stays busy: `threads` for 16, 32, 64 ... 256, 256 regions, each run
-    followed by a try of one more for PROBE regions; cut at `regions`"""
+def tries_failing(steps: int, threads: int = 1) -> list[int]:
+    """after a drop to `threads` on a CPU that stays busy: `threads` for 16, 32, 64 ... 256, 256 steps, each run
+    followed by a try of one more for PROBE steps; cut at `steps`"""
     out, interval = [], FIRST
-    while len(out) < regions:
+    while len(out) < steps:
         out += [threads] * interval + [threads + 1] * PROBE
         interval = min(2 * interval, LONGEST)
-    return out[:regions]
+    return out[:steps]
 
 
 def test_a_busy_cpu_takes_one_thread_fewer_and_tries_one_more_ever_less_often():
     n = 1000
     # the first window warms up, the second (waits of 80%) takes one thread fewer at its end
     assert trace([0.8] * n) == runs((2, 2 * WINDOW)) + tries_failing(n - 2 * WINDOW)
+
+
+def test_a_window_of_short_steps_lasts_its_least_time():
+    n = 1000
+    per_window = WINDOW_MS // 2  # steps of 2 ms: 100 a window, not 16
+    assert trace([0.8] * n, step_ms=2) == runs((2, 2 * per_window)) + tries_failing(n - 2 * per_window)
+    # a burst that fills 16 short steps is a fraction of their window
+    waits = [0.05] * (2 * per_window) + [0.9] * WINDOW + [0.05] * 300
+    assert trace(waits, step_ms=2) == [2] * len(waits)
 
 
 def test_an_idle_cpu_keeps_every_thread():
@@ -55,7 +66,7 @@ def test_an_idle_cpu_keeps_every_thread():
 def test_the_first_try_after_the_cpu_is_idle_again_keeps_the_thread():
     busy = 100
     waits = [0.8] * busy + [0.05] * 400
-    # dropped at region 32; tries at 48-55 and 88-95 (still busy) fail, the next after 64 regions (160-167) keeps two
+    # dropped at step 32; tries at 48-55 and 88-95 (still busy) fail, the next after 64 steps (160-167) keeps two
     first_idle_try = 2 * WINDOW + FIRST + PROBE + 2 * FIRST + PROBE + 4 * FIRST
     assert first_idle_try >= busy
     expected = runs((2, 2 * WINDOW)) + tries_failing(first_idle_try - 2 * WINDOW) + [2] * (500 - first_idle_try)
@@ -63,7 +74,7 @@ def test_the_first_try_after_the_cpu_is_idle_again_keeps_the_thread():
 
 
 def test_one_bad_window_costs_one_interval():
-    # a burst from the machine's neighbours that fills one judged window: one thread for FIRST regions, one try back
+    # a burst from the machine's neighbours that fills one judged window: one thread for FIRST steps, one try back
     waits = [0.05] * (2 * WINDOW) + [0.9] * WINDOW + [0.05] * 200
     assert trace(waits) == runs((2, 3 * WINDOW), (1, FIRST)) + [2] * (200 - FIRST)
 
@@ -80,6 +91,8 @@ def test_the_trace_checks_its_input():
         torch.ops.mii.pace_trace(torch.zeros(3), 2)
     with pytest.raises(RuntimeError, match="threads must be at least 1"):
         torch.ops.mii.pace_trace(torch.zeros(3, dtype=torch.float64), 0)
+    with pytest.raises(RuntimeError, match="step_ms must be positive"):
+        torch.ops.mii.pace_trace(torch.zeros(3, dtype=torch.float64), 2, 0.0)
 
 
 # --- the embedded model beside CPU-bound processes ---------------------------------------------------------------
@@ -115,18 +128,23 @@ def _threads_per_step(pipe) -> list[tuple[int, int]]:
 
 
 @pytest.fixture
-def paced_pipe():
+def two_threads():
     if _cores() < 2:
         pytest.skip("one core: nothing to pace")
     before = torch.get_num_threads()
     pipe = mii.pipeline(num_threads=2)
     try:
-        if not (pipe.engine_plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()):
-            pytest.skip("the few-rows path needs AVX512-VNNI/VBMI for the embedded model's int4 weights")
         yield pipe
     finally:
         pipe.destroy()
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def paced_pipe(two_threads):
+    if not (two_threads.engine_plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()):
+        pytest.skip("the few-rows path needs AVX512-VNNI/VBMI for the embedded model's int4 weights")
+    return two_threads
 
 
 def greedy(pipe, prompt: str, n: int) -> str:
@@ -154,6 +172,25 @@ def test_beside_busy_processes_decode_takes_one_thread_with_the_same_tokens_then
             break
     threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
     assert threads == 2 and rises >= 1, (threads, drops, probes, rises)
+
+
+def test_beside_busy_processes_a_batch_takes_one_thread_with_the_same_tokens(two_threads):
+    pipe = two_threads
+    held = pipe.engine.loaded.model.model.stack["held"]
+    prompts = [f"Story {i}: the lighthouse keeper found" for i in range(16)]  # decode steps of 16 rows
+
+    def batch() -> list[str]:
+        return [r.generated_text for r in pipe(prompts, max_new_tokens=48, do_sample=False, ignore_eos=True)]
+
+    idle = batch()
+    assert torch.ops.mii.stack_pace(held)[:2] == [2, 0]
+    with Busy():
+        seen = _threads_per_step(pipe)
+        busy = batch()
+        threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
+    assert drops >= 1, (threads, drops, probes, rises)
+    assert any(rows == len(prompts) and n == 1 for rows, n in seen), seen  # a 16-row decode step on one thread
+    assert busy == idle
 
 
 def test_mii_thread_pace_0_keeps_every_thread(monkeypatch):
