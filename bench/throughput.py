@@ -3,7 +3,7 @@ probe run in this process, before and after the measurements: the floor uses the
 W64 runs twice, on other prompts of the same lengths first (reported as the first W64: its KV blocks' memory is
 new to the process, and a first touch of memory is slow on some VMs), then on its own with that memory in place, a
 server's steady state: the figure the ratios use.
-The decode steps' thread pace at the end (a drop: other processes kept the threads waiting, a busy machine's numbers).
+The steps' thread pace at the end (a drop: other processes took the threads' cores, a busy machine's numbers).
 Single-stream decode (128-token prompt, 256 new tokens) against the weight-bandwidth floor (a copy probe), and
 from an empty context (1-token prompt, 128 new: llama-bench's tg128); prefill of a 512-token prompt (pp512); time to first token; cold and warm start-up. With `--compare-torch`,
 the same W64 and single stream through the torch reference backends (MII_KERNELS=0) in the same run, so
@@ -268,7 +268,7 @@ def main():
     flops, wbytes = workload_flops(pipe.engine.loaded.cfg, prompts, outputs), weight_bytes(pipe)
 
     results = {"mii": measure(pipe, prompts, outputs, "mii")}
-    # the decode steps' thread pace: a drop means other processes kept the threads waiting during the run
+    # the steps' thread pace: a drop means other processes took the threads' cores during the run
     pace = torch.ops.mii.stack_pace(pipe.engine.runner.paced) if pipe.engine.runner.paced is not None else None
     results["mii"]["pace"] = pace
     pipe.destroy()

@@ -111,8 +111,8 @@ class ModelRunner:
                     m.fuse_stack()
         if hasattr(model, "bind_ops"):
             model.bind_ops()
-        # the threads of this engine's steps (the plan's), and the stack whose pace may take fewer for its decode
-        # steps on a busy CPU (mii_team::Pace, kernels/team.h)
+        # the threads of this engine's steps (the plan's), and the stack whose pace may take fewer for its steps on
+        # a busy CPU (mii_team::Pace, kernels/team.h)
         self.threads = torch.get_num_threads()
         self.paced = next((m.stack["held"] for m in model.modules() if isinstance(getattr(m, "stack", None), dict)),
                           None)
@@ -233,7 +233,7 @@ class ModelRunner:
 
     def execute(self, meta: StepMeta) -> Optional[torch.Tensor]:
         """Every rank's part of a step: the forward, and the logits of the sampled rows ([R, V], None if none). On
-        the plan's threads, or fewer where the decoder stack's pace has seen them kept waiting by a busy CPU."""
+        the plan's threads, or fewer where the decoder stack's pace has seen a busy CPU take their time."""
         n = self.threads if self.paced is None else torch.ops.mii.stack_threads(self.paced, self.threads)
         if n == self.threads:
             return self._execute(meta)

@@ -17,7 +17,7 @@
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
   MLP) in one call, running the kernels above in the eager order without the Python between them, on the
   parameters, caches and windows that `mii::stack_params` holds for it between steps (`decoder_cpu.cpp`), and
-  `mii::stack_threads`, the threads its next step takes: fewer while other processes keep them waiting (`team.h`).
+  `mii::stack_threads`, the threads its next step takes: fewer while other processes take their cores (`team.h`).
 
 The ops are defined here; their CPU kernels are C++, built once per machine with the system compiler and cached under
 `~/.cache/mii/kernels` (`$MII_CACHE_DIR`). Why our own: no maintained package offers CPU paged attention for

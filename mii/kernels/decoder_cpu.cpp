@@ -327,8 +327,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_held_cpu(
 int64_t stack_few_rows_cpu(const at::Tensor& handle) { return held_stack(handle).few_rows; }
 
 // mii::stack_threads: the threads a handle's next step takes, of the `configured` (the engine sets them for the
-// step): as many as its pace (mii_team::Pace) gives, fewer where it has seen a step's threads kept waiting on a busy
-// CPU, and one more on its tries. Every step counts, of any rows: beside a CPU-bound process (Zen 4, 2 threads) a
+// step): as many as its pace (mii_team::Pace) gives, fewer where it has seen a busy CPU take its steps' time, and one
+// more on its tries. Every step counts, of any rows: beside a CPU-bound process (Zen 4, 2 threads) a
 // 128-token prompt's first token took 300-485 ms on two threads and 173-186 on one, 32 streams' 64 tokens each
 // 12.3-19.9 s and 7.2.
 int64_t stack_threads_cpu(const at::Tensor& handle, int64_t configured) {
