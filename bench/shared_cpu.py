@@ -105,5 +105,6 @@ def main() -> None:
         print(f"  pace / no pace: decode {med['pace'] / med['no pace']:.3f}x, "
               f"batch {idle['no pace']['batch'] / idle['pace']['batch']:.3f}x sooner")
 
+
 if __name__ == "__main__":
     main()

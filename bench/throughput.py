@@ -374,7 +374,7 @@ def main():
     print(f"  time to first token       {r['ttft'] * 1000:7.0f} ms (128-token prompt)")
     if r.get("pace") is not None:
         print(f"  thread pace               [threads, drops, tries, kept] {r['pace']}"
-              + (": other processes kept the threads waiting, a busy machine's numbers" if r["pace"][1] else ""))
+              + (": other processes took the threads' cores, a busy machine's numbers" if r["pace"][1] else ""))
     print(f"  pp512                     {r['pp512']:7.0f} tok/s")
     if cold is not None:
         print(f"  start-up                  cold {cold:.1f} s (empty cache: GGUF conversion, kernel build), warm {warm:.1f} s")

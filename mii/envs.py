@@ -88,7 +88,7 @@ def amx_disabled() -> bool:
 
 
 def thread_pace_disabled() -> bool:
-    """MII_THREAD_PACE=0 keeps the plan's threads for every step, where by default the decode steps take fewer while
-    other processes keep them waiting (`mii_team::Pace` in kernels/team.h, which reads it as each model's stack is
-    held); here for the plan."""
+    """MII_THREAD_PACE=0 keeps the plan's threads for every step, where by default the steps take fewer while other
+    processes take their cores (`mii_team::Pace` in kernels/team.h, which reads it as each model's stack is held);
+    here for the plan."""
     return os.environ.get("MII_THREAD_PACE", "1") == "0"
