@@ -151,16 +151,30 @@ def greedy(pipe, prompt: str, n: int) -> str:
     return pipe(prompt, max_new_tokens=n, do_sample=False, ignore_eos=True)[0].generated_text
 
 
+def idle_run(held, run, tries: int = 3):
+    """`run()` on a machine we keep idle, which its neighbours may not: a burst of theirs can cost a window one
+    thread (test_one_bad_window_costs_one_interval), so one of `tries` runs must keep both threads throughout, and
+    a pace that takes idle steps for lost never does; returns the last run's output"""
+    seen = []
+    for _ in range(tries):
+        drops = torch.ops.mii.stack_pace(held)[1]
+        out = run()
+        seen.append(torch.ops.mii.stack_pace(held))
+        if seen[-1][:2] == [2, drops]:
+            return out
+    pytest.fail(f"every idle run lost a thread: [threads, drops, probes, rises] after each: {seen}")
+
+
 def test_beside_busy_processes_decode_takes_one_thread_with_the_same_tokens_then_two_again(paced_pipe):
     pipe = paced_pipe
     held = pipe.engine.loaded.model.model.stack["held"]
-    idle = greedy(pipe, PROMPT, 96)
+    idle = idle_run(held, lambda: greedy(pipe, PROMPT, 96))
     assert torch.ops.mii.stack_few_rows(held) == 1
-    assert torch.ops.mii.stack_pace(held)[:2] == [2, 0]  # [threads, drops]: idle, none
+    idle_drops = torch.ops.mii.stack_pace(held)[1]
     with Busy():
         busy = greedy(pipe, PROMPT, 96)
         threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
-        assert threads == 1 and drops >= 1, (threads, drops, probes, rises)
+        assert threads == 1 and drops > idle_drops, (threads, drops, probes, rises)
         assert busy == idle  # the kernels' shares split outputs, never a sum: the same bits on any thread count
         seen = _threads_per_step(pipe)
         greedy(pipe, LONG_PROMPT, 2)
@@ -182,13 +196,13 @@ def test_beside_busy_processes_a_batch_takes_one_thread_with_the_same_tokens(two
     def batch() -> list[str]:
         return [r.generated_text for r in pipe(prompts, max_new_tokens=48, do_sample=False, ignore_eos=True)]
 
-    idle = batch()
-    assert torch.ops.mii.stack_pace(held)[:2] == [2, 0]
+    idle = idle_run(held, batch)
+    idle_drops = torch.ops.mii.stack_pace(held)[1]
     with Busy():
         seen = _threads_per_step(pipe)
         busy = batch()
         threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
-    assert drops >= 1, (threads, drops, probes, rises)
+    assert drops > idle_drops, (threads, drops, probes, rises)
     assert any(rows == len(prompts) and n == 1 for rows, n in seen), seen  # a 16-row decode step on one thread
     assert busy == idle
 
