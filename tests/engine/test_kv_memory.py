@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from mii.engine.kv_memory import KVPrefault
+from mii.engine.kv_memory import KVPrefault, zeros_lazy
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -137,3 +137,22 @@ def test_an_engine_faults_in_its_cache_as_it_goes(pipe):
     assert pre.done >= min(pre.num_blocks, pre.ahead + 1)
     cache = pipe.engine.runner.kv_cache
     assert all(resident(cache[layer, kv, : pre.done]) for layer in range(cache.shape[0]) for kv in range(2))
+
+
+def test_a_lazy_cache_takes_small_pages_so_a_first_block_commits_only_its_own():
+    """zeros_lazy's cache is [layers, 2, blocks, ...]: a prompt's first block lies in 2 × layers regions far apart,
+    and with transparent huge pages each region's first write would fault in a whole 2 MB page (SmolLM2: 120 MB,
+    zeroed and backed by a VM's host inside the first request's prefill). Small pages: only the block's own."""
+    shape = (30, 2, 2912, 32, 3, 64)  # the embedded SmolLM2's 2 GiB default cache
+    cache = zeros_lazy(shape, torch.bfloat16, torch.device("cpu"))
+    block = torch.randn(shape[3:]).to(torch.bfloat16)
+    for layer in range(shape[0]):
+        for kv in range(2):
+            cache[layer, kv, 0] = block
+    for layer in range(shape[0]):
+        for kv in range(2):
+            assert resident(cache[layer, kv, 0]), (layer, kv)
+            # a block's 12 KB are not whole pages: block 1 may share one with block 0, none further on does
+            assert not any(resident(cache[layer, kv, b]) for b in (2, 3, 50, 150)), (layer, kv)
+            assert torch.equal(cache[layer, kv, 0], block)
+    assert not cache[:, :, 1:].view(torch.int16).any()
