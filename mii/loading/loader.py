@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -47,12 +48,36 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_tokenizer(folder, tokenizer: Optional[str] = None):
-    from transformers import AutoTokenizer
-
+    source = tokenizer or str(folder)
     try:
-        return AutoTokenizer.from_pretrained(tokenizer or str(folder))
+        generic = _generic_tokenizer_class(source)
+        if generic is not None:
+            return generic.from_pretrained(source)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer from {tokenizer or folder}: {type(e).__name__}: {e}") from None
+        raise ModelLoadError(f"cannot load the tokenizer from {source}: {type(e).__name__}: {e}") from None
+
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_tokenizer_class(source: str):
+    """transformers' generic tokenizer class (a tokenizer.json as it is), where a local folder's
+    tokenizer_config.json names it: the class AutoTokenizer would take, without AutoTokenizer's imports (every
+    family's configuration, and through Llama's torch.distributed.tensor: 2.1 of the embedded model's 3.6 s
+    load, which the GGUF's folder names TokenizersBackend). None otherwise (a hub id, another class)."""
+    config = Path(source) / "tokenizer_config.json"
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    if name not in _GENERIC_TOKENIZERS:
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)  # (TokenizersBackend is transformers 5's; 4's is the other)
 
 
 def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:

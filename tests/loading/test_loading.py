@@ -197,3 +197,49 @@ def test_damaged_gguf_is_a_clear_error(default_model_path, tmp_path, monkeypatch
     with pytest.raises(ModelLoadError, match=rf"cannot read GGUF file {garbage}"):
         mii.pipeline(str(garbage))
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []  # no half-converted folder left
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------------------
+
+TEXTS = ["Hello world<|im_end|>", "  leading spaces, émojis 🙂 and\ttabs\n", "<|im_start|>user\nHi<|im_end|>", ""]
+
+
+def test_a_generic_tokenizer_loads_as_autotokenizer_would_and_without_its_imports(tokenizer_dir):
+    """A folder whose tokenizer_config.json names transformers' generic class (the GGUF's extracted folder,
+    tokenizer_dir) loads through that class alone: the class, ids, text and chat template AutoTokenizer gives,
+    in a process that never imports AutoTokenizer's module (it imports every family's configuration)."""
+    from transformers import AutoTokenizer
+
+    from mii.loading.loader import load_tokenizer
+
+    assert json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["tokenizer_class"] in (
+        "TokenizersBackend", "PreTrainedTokenizerFast")
+    ours, ref = load_tokenizer(tokenizer_dir), AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert type(ours) is type(ref)
+    for text in TEXTS:
+        ids = ours(text).input_ids
+        assert ids == ref(text).input_ids and ours.decode(ids) == ref.decode(ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id, len(ours)) == (
+        ref.eos_token_id, ref.bos_token_id, ref.pad_token_id, len(ref))
+    probe = ("import sys; from mii.loading.loader import load_tokenizer; load_tokenizer(sys.argv[1]); "
+             "print('transformers.models.auto.tokenization_auto' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tokenizer_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_another_tokenizer_class_goes_through_autotokenizer(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from mii.loading.loader import load_tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours) is type(ref) and type(ours).__name__ != "TokenizersBackend", type(ours)
+    assert ours(TEXTS[1]).input_ids == ref(TEXTS[1]).input_ids
