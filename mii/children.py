@@ -6,6 +6,7 @@ back into the same typed error in the parent."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -21,6 +22,18 @@ from typing import Callable, Optional
 from mii.errors import MIIError, error_from_info, error_info
 
 log = logging.getLogger("mii")
+
+
+def freeze_heap() -> None:
+    """Leave what this process has built so far out of Python's garbage collections (`gc.freeze`, after one last
+    collection). With the model loaded, a full collection walks ~220,000 objects (torch's, transformers', the
+    model's): 124 ms, measured on the Zen 4 EPYC, during which the thread that runs it holds the GIL (in a
+    replica, the engine's steps and every stream wait), and the interpreter's exit runs several (0.5-0.9 s of a
+    `mii generate`). Only for processes that keep what they built until they exit (a replica's engine, `mii
+    generate`'s pipeline, a deployment's front): frozen objects are never collected, so a process that builds and
+    drops pipelines (a library user's) must not."""
+    gc.collect()
+    gc.freeze()
 
 
 def spawn(module: str, spec: dict, **popen_kwargs) -> subprocess.Popen:

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mii.children import child_main, end_group, read_error, spawn, wait_or_kill
+from mii.children import child_main, end_group, freeze_heap, read_error, spawn, wait_or_kill
 from mii.config import DEVICE_MAP_DEFAULT, MIIConfig
 from mii.errors import DeploymentExistsError, DeploymentUnavailableError, MIIError, ValidationError
 from mii.parallel.placement import gpu_count, replica_devices
@@ -179,6 +179,7 @@ class Deployment:
             if self.cfg.cluster == "ray":
                 await self._join_ray()
             await self._start()
+            freeze_heap()  # the gateway, tokenizer and balancer live as long as this process
             await self.stop_event.wait()
             log.info("deployment %r stopping", self.name)
         finally:

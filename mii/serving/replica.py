@@ -32,7 +32,7 @@ import grpc
 from google.protobuf import empty_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mii.children import child_main, write_json
+from mii.children import child_main, freeze_heap, write_json
 from mii.engine.engine import RequestOutput
 from mii.engine.outputs import OutputProcessor
 from mii.engine.requests import EngineRequest, InputProcessor
@@ -269,6 +269,7 @@ async def serve_replica(spec: dict) -> None:
     built = await asyncio.to_thread(build_engine, model_config)
     if built.tp_group is not None:  # a tensor-parallel rank that dies takes this replica down (out of rotation)
         built.tp_group.on_failure = lambda why: os._exit(1)
+    freeze_heap()  # the engine lives as long as this process: full collections no longer walk it
     engine_loop = EngineLoop(built.engine, spec.get("max_waiting_requests"))
     engine_loop.start()
     done = asyncio.Event()
