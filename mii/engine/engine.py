@@ -115,7 +115,6 @@ class Engine:
         self._seed_rng = random.Random(model_config.seed)  # None: fresh entropy in every process
         self.max_tracked = model_config.inference_engine_config.state_manager.max_tracked_sequences
         self.default_max_length = min(model_config.max_length or DEFAULT_MAX_LENGTH, plan.max_context)
-        log.info(PLAN_LOG, loaded.source.name, plan.describe())
 
     # --- requests ------------------------------------------------------------------------------------------------
 

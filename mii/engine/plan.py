@@ -58,6 +58,9 @@ class EnginePlan:
     """Bytes of the weights by format ("int4 g32", "bf16", "fp32", ...), as loaded (one rank's shard)."""
     prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks shared by content between requests (`mii.engine.kv_cache`)."""
+    startup: dict = field(default_factory=dict)
+    """Seconds to build the engine ("total") and its parts ("kernels", "checkpoint", "weights", "tokenizer",
+    "engine"); what was built, converted or found in the cache: reasons["start-up"]."""
     reasons: dict = field(default_factory=dict)
 
     @property
@@ -110,6 +113,8 @@ class EnginePlan:
         if self.weight_bytes:
             rows.append(("weight bytes", ", ".join(f"{k} {_size(v)}" for k, v in self.weight_bytes.items())
                          + (" per rank" if self.tensor_parallel > 1 else "")))
+        if "total" in self.startup:
+            rows.append(("start-up", f"{self.startup['total']:.1f} s"))
         return "\n".join(f"  {k:<20} {v}" + (f"  ({self.reasons[k]})" if k in self.reasons else "") for k, v in rows)
 
     def amx(self) -> str:

@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -209,6 +210,12 @@ def _build_lock(build: Path):
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
+def cpu_kernels_origin() -> str:
+    """How this process got the CPU kernels: built into the cache or loaded from it, in how long, where ("" before
+    `load_cpu_kernels`, or when they could not be built)."""
+    return _state.get("how", "")
+
+
 def load_cpu_kernels() -> Optional[str]:
     """Build (first time on this machine) or load the CPU kernels; returns None when ready, else the reason."""
     with _lock:
@@ -221,8 +228,10 @@ def load_cpu_kernels() -> Optional[str]:
 
             build = build_dir()
             build.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
             with _build_lock(build):
-                if not (build / "mii_cpu_kernels.so").exists():
+                built = not (build / "mii_cpu_kernels.so").exists()
+                if built:
                     log.info("mii: building the CPU kernels (once per machine, under a minute) in %s", build)
                 isa = cpu_isa()  # (MII_CPU_ISA: as for a lesser CPU; its flags are in the build directory's key)
                 cflags = ["-O3", "-march=native", *(CPU_ISAS[isa][1] if isa else []), "-ffast-math", "-fopenmp"]
@@ -230,6 +239,8 @@ def load_cpu_kernels() -> Optional[str]:
                                    build_directory=str(build), extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                                    is_python_module=False, verbose=False)
             _state["error"] = None
+            _state["how"] = (f"{'built' if built else 'loaded'} in {time.perf_counter() - start:.1f} s "
+                             f"{'into' if built else 'from'} {build}")
         except Exception as e:  # no compiler, or a failed build: the torch backend stays
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
             log.warning("mii: the CPU kernels could not be built (%s); using the torch backends", reason)

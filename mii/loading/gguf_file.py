@@ -114,11 +114,20 @@ def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, Optiona
         yield name, torch.from_numpy(np.array(w, copy=True)), raw
 
 
-def cached_folder(path: Path, name: str) -> Path:
-    """The Hugging Face folder converted from `path`, converting it on first use."""
+def folder_for(path: Path) -> Path:
+    """Where the folder converted from `path` lives (or will): keyed by the file's path, size and time."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{FORMAT_VERSION}".encode()).hexdigest()[:16]
-    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def is_converted(path: Path) -> bool:
+    return (folder_for(path) / "model.safetensors").is_file()
+
+
+def cached_folder(path: Path, name: str) -> Path:
+    """The Hugging Face folder converted from `path`, converting it on first use."""
+    folder = folder_for(path)
     if (folder / "model.safetensors").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

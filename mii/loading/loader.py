@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,6 +36,9 @@ class LoadedModel:
     """What weight-only quantization did to each linear (`mii.loading.quantize`), when it was asked for."""
     weight_bytes: Optional[dict] = None
     """Bytes of the weights by format ("int4 g32", "bf16", ...), as loaded."""
+    startup: Optional[dict] = None
+    """Seconds each part of the load took: "checkpoint" (a GGUF's conversion, or finding its converted folder),
+    "weights" (read, packed, re-laid out), "tokenizer"."""
 
 
 @contextlib.contextmanager
@@ -98,7 +102,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
     of being prepacked for oneDNN (`bf16_kpairs`: in the layout for native bf16 dot products). With an active
     `quantization`, each linear's weight is packed as int8/int4 as soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`."""
+    clock = time.perf_counter()
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
+    startup = {"checkpoint": time.perf_counter() - clock}
+    clock = time.perf_counter()
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
     tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
@@ -115,9 +122,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         store_weights_bf16(model, kpairs=bf16_kpairs)
     packed = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
     quantize.release_freed_memory()  # the float copies quantization or a bf16 re-layout replaced
+    startup["weights"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     tok = load_tokenizer(folder, tokenizer)
+    startup["tokenizer"] = time.perf_counter() - clock
     return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed,
-                       quantizer.report if quantizer else None, quantize.weight_bytes(model))
+                       quantizer.report if quantizer else None, quantize.weight_bytes(model), startup)
 
 
 def _copy_loader(param, loaded, shard_id=None):

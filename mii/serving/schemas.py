@@ -254,6 +254,9 @@ class EnginePlan(BaseModel):
     max_batch_seqs: int
     max_context: int
     cuda_graphs: str
+    startup: dict[str, float] = Field(default_factory=dict, description=(
+        "seconds the replica took to build its engine (total) and each part: kernels, checkpoint, weights, "
+        "tokenizer, engine; reasons['start-up'] says what was built, converted or read from the cache"))
     reasons: dict[str, str] = Field(description="why, for the rows chosen automatically (keyed by `text`'s row names)")
     text: str = Field(description="the plan as `mii explain` prints it")
 

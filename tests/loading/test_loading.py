@@ -1,6 +1,7 @@
 """Loading from folders (safetensors, sharded, .bin), the hub cache offline, and clear errors."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,13 +103,15 @@ def test_missing_and_mismatched_tensors(tiny_llama, tmp_path):
 
 
 def test_gguf_file_loads_and_caches(default_model_path, tmp_path):
-    """The embedded GGUF converts once into the cache; a second load reuses it and gives the same tokens."""
+    """The embedded GGUF converts once into the cache; a second load reuses it and gives the same tokens. The
+    engine plan's start-up row says so, with the time of each part."""
     env = {**os.environ, "MII_CACHE_DIR": str(tmp_path / "cache")}
     (tmp_path / "cache").mkdir()
     kernels = cache_dir() / "kernels"  # the CPU kernels this session built: only the GGUF's conversion is new here
     kernels.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache" / "kernels").symlink_to(kernels)
-    code = (f"import mii; p = mii.pipeline({default_model_path!r}, dtype='float32'); "
+    code = (f"import json, mii; p = mii.pipeline({default_model_path!r}, dtype='float32'); "
+            "print(json.dumps([p.engine_plan.startup, p.engine_plan.reasons['start-up'], p.engine_plan.describe()])); "
             "print(p('Hello', max_new_tokens=6, do_sample=False)[0].token_ids)")
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -118,6 +121,17 @@ def test_gguf_file_loads_and_caches(default_model_path, tmp_path):
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]
     assert "Converting" not in second.stderr
+
+    for run, gguf in ((first, "converted now"), (second, "read as converted before")):
+        times, why, text = json.loads(run.stdout.splitlines()[-2])
+        parts = ("kernels", "checkpoint", "weights", "tokenizer", "engine")
+        assert set(times) == {*parts, "total"} and all(times[k] >= 0 for k in parts)
+        assert sum(times[k] for k in parts) <= times["total"] + 1e-3
+        assert f"start-up             {times['total']:.1f} s  (" in text
+        assert f"CPU kernels loaded in {times['kernels']:.1f} s from {tmp_path / 'cache' / 'kernels'}" in why
+        assert f"GGUF {gguf} in {times['checkpoint']:.1f} s ({converted[0]})" in why
+        assert f"weights {times['weights']:.1f} s (int8/int4 packed as they load, at every start)" in why
+    assert json.loads(first.stdout.splitlines()[-2])[0]["checkpoint"] > json.loads(second.stdout.splitlines()[-2])[0]["checkpoint"]
 
 
 def _damaged_copy(src, dst, name, damage):
@@ -243,3 +257,20 @@ def test_another_tokenizer_class_goes_through_autotokenizer(tokenizer_dir, tmp_p
     ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
     assert type(ours) is type(ref) and type(ours).__name__ != "TokenizersBackend", type(ours)
     assert ours(TEXTS[1]).input_ids == ref(TEXTS[1]).input_ids
+
+
+@pytest.mark.parametrize("quantization, packed", [("none", False), ("int8", True)])
+def test_the_plan_says_what_the_start_up_took(tiny_llama, caplog, quantization, packed):
+    """A safetensors folder: the plan's start-up row has the kernels (loaded from the cache, or already in this
+    process), no GGUF part, and says when weights are packed at every start; the logged plan carries the row."""
+    with caplog.at_level("INFO", logger="mii"):
+        pipe = mii.pipeline(str(tiny_llama), quantization=quantization)
+    plan = pipe.engine_plan
+    why = plan.reasons["start-up"]
+    assert re.match(r"CPU kernels (already loaded in this process|loaded in \d+\.\d s from .+/kernels/[0-9a-f]{16});",
+                    why), why
+    assert "GGUF" not in why and f"tokenizer {plan.startup['tokenizer']:.1f} s" in why
+    assert ("packed as they load, at every start" in why) == packed
+    assert plan.describe().splitlines()[-1].startswith(f"  start-up             {plan.startup['total']:.1f} s  (")
+    assert plan.describe() in caplog.text
+    pipe.destroy()
