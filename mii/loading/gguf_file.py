@@ -1,8 +1,11 @@
 """GGUF files: config, tokenizer and dequantized weights read with the `gguf` package, converted once into a
 Hugging Face folder (config.json, model.safetensors in float32, tokenizer files) in mii's cache directory, so
 later loads take the ordinary folder path and skip the slow parse. The quantized matrices' own blocks are kept
-beside them (`gguf_blocks`), for loads that keep the file's quantization. The cache key is the file's path, size
-and modification time.
+beside them (`gguf_blocks`), for loads that keep the file's quantization; a matrix whose blocks hold its values
+exactly (Q8_0, Q4_0, Q4_1) is kept only as blocks, and a load that wants its floats dequantizes them from there
+(`gguf_blocks.iter_floats`: the gguf package's arithmetic, bit for bit). The cache key is the file's path, size
+and modification time; converting a file removes the conversions of its earlier versions (and those of earlier
+formats of the same file name).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from mii.envs import cache_dir
 from mii.errors import ModelLoadError
 from mii.loading import gguf_blocks
 
-FORMAT_VERSION = 2  # 2: gguf_blocks/blocks.safetensors
+FORMAT_VERSION = 3  # 2: gguf_blocks/blocks.safetensors; 3: exact blocks without float copies, source.json
+SOURCE_FILE = "source.json"  # the GGUF file a folder was converted from
 
 # --- GGUF ------------------------------------------------------------------------------------------------------
 
@@ -85,8 +89,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, Optional[gguf_blocks.RawBlocks]]]:
-    """(Hugging Face name, dequantized float32 tensor, its blocks in mii's int8/int4 terms where they map)."""
+def iter_gguf(reader, config: dict) -> Iterator[tuple[str, Optional[torch.Tensor], Optional[gguf_blocks.RawBlocks]]]:
+    """(Hugging Face name, dequantized float32 tensor, its blocks in mii's int8/int4 terms where they map); the
+    tensor is None where the blocks hold it exactly (`gguf_blocks.EXACT`)."""
     from gguf import quants
 
     permute = config["model_type"] == "llama"
@@ -102,16 +107,16 @@ def iter_gguf(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, Optiona
             name = f"{_GGUF_NAMES[stem]}.{kind}"
         else:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has no known Hugging Face name")
-        w = quants.dequantize(t.data, t.tensor_type)
         raw = gguf_blocks.from_gguf(t.data, t.tensor_type.name) if len(t.shape) == 2 else None
+        w = None if raw is not None and raw.exact else quants.dequantize(t.data, t.tensor_type)
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             heads = config["num_attention_heads"] if parts[2] == "attn_q" else config["num_key_value_heads"]
-            w = _unpermute(w, heads)
+            w = None if w is None else _unpermute(w, heads)
             if raw is not None:  # the permutation moves whole rows: the blocks' rows move with them
                 raw = gguf_blocks.RawBlocks(raw.fmt, *(None if x is None else
                                                        torch.from_numpy(_unpermute(x.numpy(), heads))
                                                        for x in (raw.q, raw.scale, raw.offset)))
-        yield name, torch.from_numpy(np.array(w, copy=True)), raw
+        yield name, None if w is None else torch.from_numpy(np.array(w, copy=True)), raw
 
 
 def folder_for(path: Path) -> Path:
@@ -140,6 +145,7 @@ def cached_folder(path: Path, name: str) -> Path:
         except Exception as e:  # the gguf package's reader fails in many ways on a truncated or damaged file
             raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e} (is the file complete? a "
                                  "truncated or damaged download must be fetched again)") from None
+        (tmp / SOURCE_FILE).write_text(json.dumps({"path": str(path.resolve())}))
         try:
             os.rename(tmp, folder)  # atomic: a concurrent conversion of the same file simply loses the race
         except OSError:
@@ -147,7 +153,27 @@ def cached_folder(path: Path, name: str) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale(path, folder)
     return folder
+
+
+def _remove_stale(path: Path, kept: Path) -> None:
+    """Remove the cached conversions that can no longer be used: those of `path` before it changed (the key holds
+    its size and time), those of files that are gone, and, with no source recorded (formats before 3, which this
+    version never reads), those of a file of the same name. Each took the model's size again on disk."""
+    prefix = f"{path.stem}-"
+    source = str(path.resolve())
+    for folder in kept.parent.iterdir():
+        if folder == kept or not folder.is_dir() or folder.name.startswith("."):
+            continue
+        try:
+            recorded = json.loads((folder / SOURCE_FILE).read_text())["path"]
+        except FileNotFoundError:
+            recorded = source if folder.name.startswith(prefix) else None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if recorded == source or (recorded is not None and not Path(recorded).exists()):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _convert(path: Path, out: Path, name: str) -> None:
@@ -157,14 +183,16 @@ def _convert(path: Path, out: Path, name: str) -> None:
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)
-    tensors, blocks = {}, {}
+    tensors, blocks, names = {}, {}, []
     for key, w, raw in tqdm(iter_gguf(reader, config), total=len(reader.tensors),
                             desc=f"Converting {name} (GGUF, once)", unit="tensor", leave=False):
-        tensors[key] = w
+        names.append(key)
         if raw is not None:
             blocks[key] = raw
+        if w is not None:  # (exact blocks: no float copy, see gguf_blocks.iter_floats)
+            tensors[key] = w
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    formats = dict(zip(tensors, (t.tensor_type.name for t in reader.tensors)))
+    formats = dict(zip(names, (t.tensor_type.name for t in reader.tensors)))
     gguf_blocks.save(blocks, formats, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     try:

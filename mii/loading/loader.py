@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import time
@@ -15,9 +17,11 @@ from tqdm.auto import tqdm
 
 from mii.errors import ModelLoadError
 from mii.layers.linear import check_shape, prepack_cpu_bf16, store_weights_bf16
-from mii.loading import checkpoint, gguf_file, quantize
+from mii.layers.quant import scheme
+from mii.loading import checkpoint, gguf_blocks, gguf_file, quantize
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
+from mii.models.decoder import CausalLM
 from mii.models.registry import resolve
 
 log = logging.getLogger("mii")
@@ -109,6 +113,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
     tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
+    if source.kind == "gguf":  # the matrices whose exact blocks hold them: floats only if a parameter takes them
+        tensors = itertools.chain(tensors, gguf_blocks.iter_floats(folder))
+        total = (total or 0) + gguf_blocks.count_floats(folder) or None
     spec, cfg = resolve(hf)
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
@@ -141,8 +148,11 @@ def load_weights(model, tensors, on_loaded: Optional[Callable] = None) -> None:
     Per pair: the model's `checkpoint_tensors` (re-layouts), `ignored_keys`, `renames`, then stacked MoE experts
     (`expert_shard`) or `packed_modules` pick the parameter and shard id its `weight_loader` receives. A parameter
     lists the shards it needs in `shard_ids`, or they come from `packed_modules`. `on_loaded(name, param,
-    sources)` is called once a parameter has every shard it needs, with the [(checkpoint name, shard id)] that
-    filled it (weight-only quantization packs it then).
+    sources, materialize)` is called once a parameter has every shard it needs, with the [(checkpoint name, shard
+    id)] that filled it (weight-only quantization packs it then). A tensor may come as a `gguf_blocks.Deferred`
+    (a GGUF's exact blocks): with `on_loaded`, its floats reach the parameter only when `materialize()` is called
+    (the quantizer does, unless it packs the parameter from those blocks), or after `on_loaded` if the parameter
+    is still float; without it, at once.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
@@ -154,7 +164,17 @@ def load_weights(model, tensors, on_loaded: Optional[Callable] = None) -> None:
         expected.pop("lm_head.weight", None)
     seen: dict[str, set] = {}
     sources: dict[str, list] = {}
+    deferred: dict[str, list] = {}  # parameter → [(its loader, shard id, Deferred)] not yet copied in
+    relayout = type(model).checkpoint_tensors is not CausalLM.checkpoint_tensors
+
+    def materialize(pname: str) -> None:
+        for loader, shard, later in deferred.pop(pname, ()):
+            param = params[pname]
+            loader(param, later.tensor().to(param.dtype), shard)
+
     for raw_name, raw_tensor in tensors:
+        if isinstance(raw_tensor, gguf_blocks.Deferred) and (on_loaded is None or relayout):
+            raw_tensor = raw_tensor.tensor()
         for name, tensor in model.checkpoint_tensors(raw_name, raw_tensor):
             if any(name.endswith(k) for k in model.ignored_keys):
                 continue
@@ -176,13 +196,21 @@ def load_weights(model, tensors, on_loaded: Optional[Callable] = None) -> None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
             try:
                 loader = getattr(param, "weight_loader", _copy_loader)
-                loader(param, tensor.to(param.dtype), shard)
+                if isinstance(tensor, gguf_blocks.Deferred):
+                    deferred.setdefault(pname, []).append((loader, shard, tensor))
+                else:
+                    loader(param, tensor.to(param.dtype), shard)
+                seen.setdefault(pname, set()).add(shard)
+                sources.setdefault(pname, []).append((name, shard))
+                if on_loaded is not None and seen[pname] >= expected.get(pname, {None}):
+                    on_loaded(pname, param, sources.pop(pname), functools.partial(materialize, pname))
+                    if deferred.get(pname) and scheme(param) is None:  # still float: it takes its floats
+                        materialize(pname)
+                    deferred.pop(pname, None)
             except ModelLoadError as e:
                 raise ModelLoadError(f"{name}: {e}") from None
-            seen.setdefault(pname, set()).add(shard)
-            sources.setdefault(pname, []).append((name, shard))
-            if on_loaded is not None and seen[pname] >= expected.get(pname, {None}):
-                on_loaded(pname, param, sources.pop(pname))
+    for pname in list(deferred):  # (parameters that never completed: reported as missing below)
+        materialize(pname)
     missing = [f"{p}" + (f"[{s}]" if s is not None else "") for p, shards in expected.items()
                for s in shards if s not in seen.get(p, set())]
     if missing:

@@ -29,7 +29,7 @@ import collections
 import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -167,8 +167,10 @@ class Quantizer:
             if folder is not None and (folder / gguf_blocks.BLOCKS_FILE).is_file():
                 self.blocks = gguf_blocks.BlockTable(folder)
 
-    def loaded(self, pname: str, param: nn.Parameter, sources: list) -> None:
-        """`param` (named `pname`) has all its parts, from checkpoint tensors `sources` [(name, shard id)]."""
+    def loaded(self, pname: str, param: nn.Parameter, sources: list, materialize: Callable = lambda: None) -> None:
+        """`param` (named `pname`) has all its parts, from checkpoint tensors `sources` [(name, shard id)].
+        `materialize()` copies in the parts that came as exact blocks only (`gguf_blocks.Deferred`): called on
+        every path that keeps or quantizes the floats, not where the blocks are packed."""
         if id(param) in self.heads and self.blocks is not None and param.dim() == 2:
             packed = self._from_blocks(pname, param, sources, lm_head=True)
             if packed is not None:
@@ -176,16 +178,20 @@ class Quantizer:
                     if m.weight is param and m.out_dtype is None:
                         m.out_dtype = param.dtype
                 param.data = packed
-            elif self._file_quantized(sources):
+                return
+            materialize()
+            if self._file_quantized(sources):
                 self.report.unquantized[pname] = "the LM head, dequantized: its blocks do not map (to the scheme asked)"
             return
         module = self.linears.get(pname)
         if module is None or param.dim() != 2 or scheme(param) is not None:
+            materialize()
             if self.blocks is not None and param.dim() == 2 and self._file_quantized(sources):
                 self.report.unquantized[pname] = "dequantized: not a linear (an embedding reads a few rows a step)"
             return
         packed = self._from_blocks(pname, param, sources) if self.blocks is not None else None
         if packed is None:
+            materialize()
             packed = self._from_float(pname, param, sources)
         if packed is not None:
             param.data = packed  # the float storage is freed here

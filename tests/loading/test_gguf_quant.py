@@ -126,6 +126,60 @@ def test_blocks_round_trip_against_gguf(fmt):
                                                                                        raw.offset.float())
     assert scheme(packed) == ("int8" if fmt == "Q8_0" else "int4")
     assert torch.equal(dequantize(packed), torch.from_numpy(gguf.quants.dequantize(data, Q[fmt])))
+    for scale in (0.1, 300.0):  # the floats a load dequantizes from the blocks (the converted folder keeps none)
+        data = gguf.quants.quantize(x * scale, Q[fmt])
+        got = gguf_blocks.dequantize(gguf_blocks.from_gguf(data, fmt))
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(gguf.quants.dequantize(data, Q[fmt])))
+
+
+def test_the_converted_folder_keeps_exact_matrices_only_as_blocks(path):
+    """The conversion writes no float copy of a Q8_0/Q4_0/Q4_1 matrix (Q4_K's, Q5_0's and F16's it does); what a
+    float load reads for them, dequantized from the blocks, is the gguf package's dequantization of the file
+    (rows of q and k un-permuted as transformers does), bit for bit."""
+    from safetensors import safe_open
+
+    from mii.loading import gguf_file
+
+    folder = gguf_file.cached_folder(path, "mixed")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        floats = set(f.keys())
+    reader = gguf.GGUFReader(str(path))
+    config = gguf_file.gguf_config(reader)
+    table = gguf_blocks.BlockTable(folder)
+    exact = set(table.float_names())
+    assert "model.embed_tokens.weight" in exact and "model.layers.2.mlp.gate_proj.weight" not in exact
+    assert not exact & floats and "model.layers.2.mlp.gate_proj.weight" in floats
+    assert len(exact) == 1 + sum(f in (Q.Q8_0, Q.Q4_0, Q.Q4_1) for fmts in FORMATS.values() for f in fmts.values())
+    tensors = {t.name: t for t in reader.tensors}
+    gguf_name = {v: k for k, v in gguf_file._GGUF_NAMES.items()}
+    for name in exact:
+        stem = name.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            layer, _, part = stem.removeprefix("model.layers.").partition(".")
+            t = tensors[f"blk.{layer}.{gguf_name[part]}.weight"]
+        else:
+            t = tensors[f"{gguf_name[stem]}.weight"]
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            want = gguf_file._unpermute(want, heads)
+        assert torch.equal(gguf_blocks.dequantize(table.get(name)), torch.from_numpy(np.ascontiguousarray(want))), name
+
+
+def test_floats_from_blocks_only_where_a_parameter_takes_them(path, monkeypatch):
+    """Under auto, the parameters packed from the file's blocks never dequantize them: only the Q4_0 q and k of
+    layer 2's qkv, fused with a Q5_0 v and so re-quantized from floats, do. Without quantization every exact
+    matrix is dequantized once."""
+    calls = []
+    real = gguf_blocks.Deferred.tensor
+    monkeypatch.setattr(gguf_blocks.Deferred, "tensor", lambda self: calls.append(self.name) or real(self))
+    load(path, AUTO)
+    assert sorted(calls) == ["model.layers.2.self_attn.k_proj.weight", "model.layers.2.self_attn.q_proj.weight"]
+    calls.clear()
+    load(path, None)
+    from mii.loading import gguf_file
+
+    assert sorted(calls) == sorted(gguf_blocks.BlockTable(gguf_file.cached_folder(path, "mixed")).float_names())
 
 
 @pytest.mark.parametrize("rank,size", [(0, 1), (0, 2), (1, 2)])
@@ -207,3 +261,35 @@ def test_explicit_scheme_keeps_the_blocks_that_map_to_it(path):
     head = got.model.lm_head.weight
     assert got.quantization.lm_head == "Q8_0" and scheme(head) == "int8" and group_size(head) == 32
     assert torch.equal(dequantize(head), load(path, None).model.lm_head.weight)
+
+
+def test_a_new_conversion_removes_the_ones_that_cannot_be_used(tmp_path, monkeypatch):
+    """Converting a GGUF removes its conversions from before it changed, those of files that are gone, and those
+    of its file name from earlier formats (no source recorded); other files' conversions stay."""
+    import json
+    import os
+
+    from mii.loading import gguf_file
+
+    monkeypatch.setenv("MII_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_gguf(tmp_path / "small.gguf", {0: EXACT[0]})
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"")
+    root = tmp_path / "cache" / "gguf"
+
+    def folder(name, source=None):
+        (root / name).mkdir(parents=True)
+        if source is not None:
+            (root / name / gguf_file.SOURCE_FILE).write_text(json.dumps({"path": str(source)}))
+        return root / name
+
+    legacy, unrelated = folder("small-0123456789abcdef"), folder("unrelated-0123456789abcdef")
+    gone, kept = folder("gone-0123456789abcdef", tmp_path / "gone.gguf"), folder("other-0123456789abcdef", other)
+    first = gguf_file.cached_folder(gguf_path, "small")
+    assert json.loads((first / gguf_file.SOURCE_FILE).read_text()) == {"path": str(gguf_path.resolve())}
+    assert not legacy.exists() and not gone.exists() and unrelated.exists() and kept.exists()
+    st = gguf_path.stat()
+    os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    second = gguf_file.cached_folder(gguf_path, "small")
+    assert second != first and not first.exists() and (second / "model.safetensors").is_file()
+    assert sorted(p.name for p in root.iterdir()) == sorted([second.name, unrelated.name, kept.name])
