@@ -128,7 +128,7 @@ def test_gguf_file_loads_and_caches(default_model_path, tmp_path):
         assert set(times) == {*parts, "total"} and all(times[k] >= 0 for k in parts)
         assert sum(times[k] for k in parts) <= times["total"] + 1e-3
         assert f"start-up             {times['total']:.1f} s  (" in text
-        assert f"CPU kernels loaded in {times['kernels']:.1f} s from {tmp_path / 'cache' / 'kernels'}" in why
+        assert re.match(rf"CPU kernels loaded in \d+\.\d s from {re.escape(str(tmp_path / 'cache' / 'kernels'))}/", why)
         assert f"GGUF {gguf} in {times['checkpoint']:.1f} s ({converted[0]})" in why
         assert f"weights {times['weights']:.1f} s (int8/int4 packed as they load, at every start)" in why
     assert json.loads(first.stdout.splitlines()[-2])[0]["checkpoint"] > json.loads(second.stdout.splitlines()[-2])[0]["checkpoint"]
