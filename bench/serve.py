@@ -1,7 +1,7 @@
 """Online serving (SPEC §7): W64-like requests with Poisson arrivals, streamed from any OpenAI-compatible server
 (`mii serve`, llama.cpp's `llama-server`, vLLM, ...), at a sweep of request rates. Per rate it reports time to
-first token (TTFT) and time per output token after the first (TPOT), p50 and p99, throughput, and the share of
-requests that meet a latency SLA; then DeepSpeed-FastGen's *effective throughput*: the highest rate swept at
+first token (TTFT) and time per output token after the first (TPOT), p50 and p99, throughput, the share of
+requests that meet a latency SLA and why the others missed it (a late first token, a token gap); then DeepSpeed-FastGen's *effective throughput*: the highest rate swept at
 which 99% of the requests meet it.
 
     .venv/bin/python -m bench.serve --spawn-mii                  # starts `mii serve`, sweeps 0.5,1,2,4 req/s, stops it
@@ -102,17 +102,23 @@ class SLA:
                 f" [{self.source}]")
 
     def met(self, r: Result) -> bool:
-        if not r.ok or r.tokens < r.max_tokens:
-            return False
+        return self.miss(r) is None
+
+    def miss(self, r: Result) -> str | None:
+        """Why `r` missed the SLA ("error", "short", "first token", "token gap": the first that applies), or None."""
+        if not r.ok:
+            return "error"
+        if r.tokens < r.max_tokens:
+            return "short"
         prompt = r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len
         if r.ttft > self.overhead_s + prompt / self.prefill_tps:
-            return False
+            return "first token"
         alpha, num, den, limit = 2 / (self.ema_span + 1), 0.0, 0.0, 1 / self.decode_tps
         for gap in r.token_gaps()[0]:  # pandas' ewm(span).mean(), adjust=True, as FastGen's scripts compute it
             num, den = gap + (1 - alpha) * num, 1 + (1 - alpha) * den
             if num / den > limit:
-                return False
-        return True
+                return "token gap"
+        return None
 
 
 class Server:
@@ -238,7 +244,8 @@ def summarize(rate: float, results: list[Result], wall: float, sla: SLA) -> dict
     ok = [r for r in results if r.ok]
     ttft = [r.ttft * 1000 for r in ok]
     tpot = [r.tpot * 1000 for r in ok if r.tpot is not None]
-    met = sum(sla.met(r) for r in results)
+    misses = [sla.miss(r) for r in results]
+    met = misses.count(None)
     span = (max(r.end for r in ok) - min(r.start for r in ok)) if ok else wall
     out_tokens = sum(r.tokens for r in ok)
     return {
@@ -256,6 +263,8 @@ def summarize(rate: float, results: list[Result], wall: float, sla: SLA) -> dict
         "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "tpot_ms": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
         "sla_met": met / len(results),
+        "sla_misses": {why: misses.count(why) for why in ("first token", "token gap", "short", "error")
+                       if why in misses},
         "goodput": met / span if span > 0 else None,  # FastGen's scripts: throughput x share within the SLA
     }
 
@@ -273,7 +282,9 @@ def print_row(s: dict, header: bool = False) -> None:
           f" {_fmt(s['ttft_ms']['p50']):>12} {_fmt(s['ttft_ms']['p99']):>6}"
           f" {_fmt(s['tpot_ms']['p50'], '.1f'):>12} {_fmt(s['tpot_ms']['p99'], '.1f'):>6}"
           f" {s['sla_met']:>8.0%} {_fmt(s['goodput'], '.2f'):>10} {s['errors']:>6}"
-          + (f"   ({s['short']} ended short)" if s["short"] else ""),
+          + (f"   ({s['short']} ended short)" if s["short"] else "")
+          + ("   missed: " + ", ".join(f"{why} {n}" for why, n in s["sla_misses"].items() if why != "error")
+             if any(why != "error" for why in s["sla_misses"]) else ""),
           flush=True)
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench.serve import SLA, Result, arrivals, effective_throughput, main, parse_args
+from bench.serve import SLA, Result, arrivals, effective_throughput, main, parse_args, summarize
 from bench.workloads import w64
 from tests.bench.test_plots import PEER
 from tests.serving.conftest import tiny_model  # noqa: F401  (the session fixture)
@@ -70,11 +70,15 @@ def test_sla_rules():
     sla = SLA(overhead_s=0.1, prefill_tps=1000, decode_tps=10, ema_span=4)
     fast = Result(prompt_len=100, max_tokens=4, start=0.0, chunk_times=[0.15, 0.2, 0.25, 0.3], prompt_tokens=100,
                   completion_tokens=4)
-    assert sla.met(fast)
-    assert not sla.met(Result(100, 4, 0.0, [0.25, 0.3, 0.35, 0.4], completion_tokens=4))  # first token late
-    assert not sla.met(Result(100, 4, 0.0, [0.15, 0.2, 0.5, 0.55], completion_tokens=4))  # a stall: EMA > 0.1 s
-    assert not sla.met(Result(100, 5, 0.0, [0.15, 0.2, 0.25, 0.3], completion_tokens=4))  # ended short
-    assert not sla.met(Result(100, 4, error="HTTP 429: busy"))
+    assert sla.met(fast) and sla.miss(fast) is None
+    late = Result(100, 4, 0.0, [0.25, 0.3, 0.35, 0.4], completion_tokens=4)
+    stall = Result(100, 4, 0.0, [0.15, 0.2, 0.5, 0.55], completion_tokens=4)  # EMA > 0.1 s
+    short = Result(100, 5, 0.0, [0.15, 0.2, 0.25, 0.3], completion_tokens=4)
+    failed = Result(100, 4, error="HTTP 429: busy")
+    for r, why in ((late, "first token"), (stall, "token gap"), (short, "short"), (failed, "error")):
+        assert not sla.met(r) and sla.miss(r) == why
+    row = summarize(1.0, [fast, late, stall, stall, failed], 1.0, sla)
+    assert row["sla_met"] == 0.2 and row["sla_misses"] == {"first token": 1, "token gap": 2, "error": 1}
     two_per_chunk = Result(100, 4, 0.0, [0.15, 0.25], completion_tokens=4)
     assert two_per_chunk.token_gaps() == ([0.0, 0.1, 0.0], False) and two_per_chunk.tpot == (0.25 - 0.15) / 3
 
