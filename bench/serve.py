@@ -278,13 +278,13 @@ def print_row(s: dict, header: bool = False) -> None:
         print(f"{'rate':>6} {'req/s':>6} {'out tok/s':>9} {'TTFT ms p50':>12} {'p99':>6} {'TPOT ms p50':>12}"
               f" {'p99':>6} {'SLA met':>8} {'good req/s':>10} {'errors':>6}")
     rate = "inf" if math.isinf(s["rate"]) else f"{s['rate']:g}"
+    missed = [f"{why} {n}" for why, n in s["sla_misses"].items() if why != "error"]  # (errors: their own column)
     print(f"{rate:>6} {_fmt(s['request_throughput'], '.2f'):>6} {_fmt(s['output_throughput']):>9}"
           f" {_fmt(s['ttft_ms']['p50']):>12} {_fmt(s['ttft_ms']['p99']):>6}"
           f" {_fmt(s['tpot_ms']['p50'], '.1f'):>12} {_fmt(s['tpot_ms']['p99'], '.1f'):>6}"
           f" {s['sla_met']:>8.0%} {_fmt(s['goodput'], '.2f'):>10} {s['errors']:>6}"
           + (f"   ({s['short']} ended short)" if s["short"] else "")
-          + ("   missed: " + ", ".join(f"{why} {n}" for why, n in s["sla_misses"].items() if why != "error")
-             if any(why != "error" for why in s["sla_misses"]) else ""),
+          + ("   missed: " + ", ".join(missed) if missed else ""),
           flush=True)
 
 

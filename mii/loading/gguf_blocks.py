@@ -12,7 +12,7 @@ The GGUF conversion (`gguf_file`) writes these (q, scale, offset) rows next to t
 `gguf_blocks/blocks.safetensors` of the cached folder (q of int4 two to a byte, low nibble first), so a load
 never parses the GGUF again nor goes through floats: the loader routes them through each layer's own
 `weight_loader` (fused q/k/v and gate/up parts, tensor-parallel slices) and packs what lands in a parameter.
-The exact formats' floats are not written at all: `iter_floats` dequantizes them from the blocks for a load
+The exact formats' floats are not written at all: `deferred_floats` dequantizes them from the blocks for a load
 that wants floats (the gguf package's arithmetic in the same order, so the same fp32 values bit for bit). The
 embedded SmolLM2's folder takes 96 MB instead of 609.
 """
@@ -163,14 +163,9 @@ class Deferred:
         return dequantize(self.table.get(self.name))
 
 
-def iter_floats(folder: Path):
+def deferred_floats(folder: Path) -> list[tuple[str, Deferred]]:
     """(name, `Deferred`) for the matrices a converted folder keeps only as exact blocks."""
     if not (folder / BLOCKS_FILE).is_file():
-        return
+        return []
     table = BlockTable(folder)
-    for name in table.float_names():
-        yield name, Deferred(table, name)
-
-
-def count_floats(folder: Path) -> int:
-    return len(BlockTable(folder).float_names()) if (folder / BLOCKS_FILE).is_file() else 0
+    return [(name, Deferred(table, name)) for name in table.float_names()]

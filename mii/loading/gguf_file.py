@@ -3,7 +3,7 @@ Hugging Face folder (config.json, model.safetensors in float32, tokenizer files)
 later loads take the ordinary folder path and skip the slow parse. The quantized matrices' own blocks are kept
 beside them (`gguf_blocks`), for loads that keep the file's quantization; a matrix whose blocks hold its values
 exactly (Q8_0, Q4_0, Q4_1) is kept only as blocks, and a load that wants its floats dequantizes them from there
-(`gguf_blocks.iter_floats`: the gguf package's arithmetic, bit for bit). The cache key is the file's path, size
+(`gguf_blocks.deferred_floats`: the gguf package's arithmetic, bit for bit). The cache key is the file's path, size
 and modification time; converting a file removes the conversions of its earlier versions (and those of earlier
 formats of the same file name).
 """
@@ -189,7 +189,7 @@ def _convert(path: Path, out: Path, name: str) -> None:
         names.append(key)
         if raw is not None:
             blocks[key] = raw
-        if w is not None:  # (exact blocks: no float copy, see gguf_blocks.iter_floats)
+        if w is not None:  # (exact blocks: no float copy, see gguf_blocks.deferred_floats)
             tensors[key] = w
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     formats = dict(zip(names, (t.tensor_type.name for t in reader.tensors)))

@@ -114,8 +114,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     files = checkpoint.checkpoint_files(folder)
     tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
     if source.kind == "gguf":  # the matrices whose exact blocks hold them: floats only if a parameter takes them
-        tensors = itertools.chain(tensors, gguf_blocks.iter_floats(folder))
-        total = (total or 0) + gguf_blocks.count_floats(folder) or None
+        deferred = gguf_blocks.deferred_floats(folder)
+        tensors, total = itertools.chain(tensors, deferred), (total or 0) + len(deferred) or None
     spec, cfg = resolve(hf)
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
@@ -209,8 +209,6 @@ def load_weights(model, tensors, on_loaded: Optional[Callable] = None) -> None:
                     deferred.pop(pname, None)
             except ModelLoadError as e:
                 raise ModelLoadError(f"{name}: {e}") from None
-    for pname in list(deferred):  # (parameters that never completed: reported as missing below)
-        materialize(pname)
     missing = [f"{p}" + (f"[{s}]" if s is not None else "") for p, shards in expected.items()
                for s in shards if s not in seen.get(p, set())]
     if missing:
