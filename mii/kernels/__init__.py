@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -198,8 +199,17 @@ def _build_lock(build: Path):
     except ImportError:  # (not POSIX: cpp_extension's own baton only)
         yield
         return
-    with open(build / "build.flock", "a") as held:
+    while True:
+        build.mkdir(parents=True, exist_ok=True)
+        held = open(build / "build.flock", "a")
         fcntl.flock(held, fcntl.LOCK_EX)  # another mii process building or loading here: wait for it
+        try:  # (the lock of a build removed meanwhile as unused, `remove_unused_builds`: start again)
+            if os.fstat(held.fileno()).st_ino == os.stat(build / "build.flock").st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        held.close()
+    with held:
         try:
             baton = build / "lock"
             if baton.exists():
@@ -208,6 +218,39 @@ def _build_lock(build: Path):
             yield
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
+
+
+USED_MARK = "used"  # touched by every process that loads a build: its time is the build's last use
+UNUSED_DAYS = 30
+
+
+def remove_unused_builds(kept: Path, days: float = UNUSED_DAYS) -> list:
+    """Remove the kernel builds beside `kept` that no process has loaded for `days` (4.8 MB each, one per mii
+    source, torch and CPU: every upgrade left one for good). Another installed mii version, or a machine of
+    another CPU sharing this home, still loads its own and so keeps it (a build from before the mark counts from
+    the folder's last change). A build another process holds (building or loading) is left alone. Returns the
+    removed paths."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    cutoff = time.time() - days * 86400
+    removed = []
+    for build in kept.parent.iterdir():
+        if build == kept or not build.is_dir():
+            continue
+        try:
+            if max(p.stat().st_mtime for p in (build, build / USED_MARK) if p.exists()) >= cutoff:
+                continue
+            with open(build / "build.flock", "a") as held:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (held elsewhere: OSError, kept)
+                shutil.rmtree(build)
+            removed.append(build)
+        except OSError:
+            continue
+    if removed:
+        log.info("mii: removed %d CPU kernel build(s) unused for %d days from %s", len(removed), days, kept.parent)
+    return removed
 
 
 def cpu_kernels_origin() -> str:
@@ -241,6 +284,8 @@ def load_cpu_kernels() -> Optional[str]:
             _state["error"] = None
             _state["how"] = (f"{'built' if built else 'loaded'} in {time.perf_counter() - start:.1f} s "
                              f"{'into' if built else 'from'} {build}")
+            (build / USED_MARK).touch()
+            remove_unused_builds(build)
         except Exception as e:  # no compiler, or a failed build: the torch backend stays
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
             log.warning("mii: the CPU kernels could not be built (%s); using the torch backends", reason)

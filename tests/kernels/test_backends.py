@@ -1,6 +1,7 @@
 """The engine on mii's CPU kernels (paged attention in place, fused norm/rotary/SiLU·mul) against the same
 engine on the torch reference backends (MII_KERNELS=0): fp32 against transformers on both, and bf16 kernels
 close to bf16 torch in vLLM's `check_logprobs_close` sense."""
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,41 @@ def test_a_start_after_an_interrupted_build_does_not_hang():
     assert run.returncode == 0 and run.stdout.split()[-1:] == ["None"], run.stderr[-2000:]
     assert "left by a kernel build that did not finish" in run.stderr
     assert not left
+
+
+def test_kernel_builds_unused_for_a_month_are_removed(tmp_path):
+    """Every mii upgrade (its kernel sources), torch or CPU makes a new build folder. A loaded build marks its use;
+    the builds beside it that nobody loaded for 30 days go, while a recently used one, a fresh one without the mark
+    (from before it) and one that another process holds stay."""
+    import fcntl
+    import time
+
+    root = tmp_path / "kernels"
+    month = time.time() - 31 * 86400
+
+    def build(name, *, used=None, changed=None):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "mii_cpu_kernels.so").write_bytes(b"\0" * 1024)
+        if used is not None:
+            (folder / kernels.USED_MARK).touch()
+            os.utime(folder / kernels.USED_MARK, (used, used))
+        os.utime(folder, (changed or month, changed or month))
+        return folder
+
+    current = build("current", used=month)  # (the one this process loads: never removed)
+    stale = build("stale", used=month)
+    unmarked_stale = build("unmarked-stale")
+    used_lately = build("used-lately", used=time.time() - 86400)
+    unmarked_fresh = build("unmarked-fresh", changed=time.time() - 3600)
+    held = build("held", used=month)
+    with open(held / "build.flock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (flock locks are per open file: this one is another holder)
+        os.utime(held, (month, month))
+        removed = kernels.remove_unused_builds(current)
+    assert sorted(removed) == sorted([stale, unmarked_stale])
+    assert not stale.exists() and not unmarked_stale.exists()
+    assert all(p.exists() for p in (current, used_lately, unmarked_fresh, held))
+    assert sorted(kernels.remove_unused_builds(current, days=0.5)) == sorted([used_lately, held])
+    if kernels.load_cpu_kernels() is None:  # (this process's build: marked as it loaded)
+        assert time.time() - (kernels.build_dir() / kernels.USED_MARK).stat().st_mtime < 24 * 3600
