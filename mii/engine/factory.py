@@ -15,6 +15,7 @@ from mii.engine.engine import PLAN_LOG, Engine, finish_plan_and_build_runner
 from mii.engine.model_runner import ModelRunner
 from mii.engine.plan import EnginePlan, plan_device
 from mii.engine.requests import InputProcessor
+from mii.envs import collections_paused
 from mii.errors import ValidationError
 from mii.kernels import cpu_kernels_origin
 from mii.layers.quant import use_int8_activations
@@ -39,6 +40,7 @@ class BuiltEngine:
         return InputProcessor(self.tokenizer, self.engine.limits, self.engine.grammars)
 
 
+@collections_paused()  # (what it builds stays: see there)
 def build_engine(model_config: ModelConfig, tp_group: Optional[TPGroup] = None) -> BuiltEngine:
     """Load `model_config`'s model and build its engine. With `tensor_parallel > 1` this process starts the group
     (spawned workers) or joins it (torchrun) unless it is a spawned worker that joined already (`tp_group`)."""
