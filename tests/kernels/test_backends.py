@@ -2,6 +2,7 @@
 engine on the torch reference backends (MII_KERNELS=0): fp32 against transformers on both, and bf16 kernels
 close to bf16 torch in vLLM's `check_logprobs_close` sense."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -181,3 +182,28 @@ def test_kernel_builds_unused_for_a_month_are_removed(tmp_path):
     assert sorted(kernels.remove_unused_builds(current, days=0.5)) == sorted([used_lately, held])
     if kernels.load_cpu_kernels() is None:  # (this process's build: marked as it loaded)
         assert time.time() - (kernels.build_dir() / kernels.USED_MARK).stat().st_mtime < 24 * 3600
+
+
+def test_a_load_waiting_on_a_build_removed_meanwhile_starts_again(tmp_path):
+    """A process waiting for a build's lock while another removes that build (unused for 30 days) gets the lock of
+    a file that is gone: it starts again on a new folder, so it never builds into or loads from a removed one."""
+    import fcntl
+    import threading
+
+    build = tmp_path / "kernels" / "old"
+    build.mkdir(parents=True)
+    entered = []
+    with open(build / "build.flock", "a") as remover:
+        fcntl.flock(remover, fcntl.LOCK_EX)
+
+        def load():
+            with kernels._build_lock(build):
+                entered.append((build.is_dir(), os.stat(build / "build.flock").st_ino))
+
+        waiting = threading.Thread(target=load)
+        waiting.start()
+        waiting.join(0.5)
+        assert entered == []  # (waits for the lock)
+        shutil.rmtree(build)
+    waiting.join(10)
+    assert len(entered) == 1 and entered[0][0]
