@@ -75,6 +75,11 @@ def kernels_disabled() -> bool:
     return os.environ.get("MII_KERNELS", "1") == "0"
 
 
+def packed_cache_disabled() -> bool:
+    """MII_PACKED_CACHE=0: quantized weights are packed at every start, never cached (`mii.loading.packed_cache`)."""
+    return os.environ.get("MII_PACKED_CACHE", "1") == "0"
+
+
 def quant_tiles_bf16() -> bool:
     """MII_QUANT_TILES=bf16 (opt-in): where int4/int8 linears of 9+ bf16 rows take AMX tiles, the tiles hold the
     weights rounded to bf16 (a bf16 model's precision) instead of their exact integers scaled per group: W64 ~20%

@@ -115,8 +115,9 @@ def _startup_reason(plan: EnginePlan, loaded, kernels: str, converted: bool) -> 
                      f"({gguf_file.folder_for(loaded.source.path)})")
     report = loaded.quantization
     packed = report is not None and bool(report.kept_raw or report.quantized or report.requantized)
-    parts.append(f"weights {t['weights']:.1f} s" + (" (int8/int4 packed as they load, at every start)" if packed
-                                                    else ""))
+    how = (f"int8/int4 {loaded.weights_cache}" if loaded.weights_cache else
+           "int8/int4 packed as they load, at every start" if packed else "")
+    parts.append(f"weights {t['weights']:.1f} s" + (f" ({how})" if how else ""))
     parts.append(f"tokenizer {t['tokenizer']:.1f} s")
     parts.append(f"KV cache and plan {t['engine']:.1f} s")
     return "; ".join(parts)

@@ -15,14 +15,16 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
+from mii.envs import packed_cache_disabled
 from mii.errors import ModelLoadError
 from mii.layers.linear import check_shape, prepack_cpu_bf16, store_weights_bf16
 from mii.layers.quant import scheme
-from mii.loading import checkpoint, gguf_blocks, gguf_file, quantize
+from mii.loading import checkpoint, gguf_blocks, gguf_file, packed_cache, quantize
 from mii.loading.source import ModelSource
 from mii.models.config import ArchConfig, read_hf_config
 from mii.models.decoder import CausalLM
 from mii.models.registry import resolve
+from mii.parallel import tp_size
 
 log = logging.getLogger("mii")
 
@@ -43,6 +45,9 @@ class LoadedModel:
     startup: Optional[dict] = None
     """Seconds each part of the load took: "checkpoint" (a GGUF's conversion, or finding its converted folder),
     "weights" (read, packed, re-laid out), "tokenizer"."""
+    weights_cache: str = ""
+    """What the packed weights' cache did (`mii.loading.packed_cache`): "read as packed before from …", "packed
+    now, saved to …", or "" (not used: no quantization, off, or not written)."""
 
 
 @contextlib.contextmanager
@@ -120,8 +125,18 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
     quantizer = quantize.Quantizer(model, quantization, folder) if quantization and quantization.active else None
-    load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False),
-                 on_loaded=quantizer.loaded if quantizer else None)
+    cached = (packed_cache.entry(folder, quantization, dtype, model) if quantizer and not packed_cache_disabled()
+              and device.type == "cpu" and tp_size() == 1 else None)
+    report = packed_cache.load(cached, model) if cached is not None and cached.exists else None
+    if report is not None:
+        weights_cache = f"read as packed before from {cached.folder}"
+    else:
+        load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False),
+                     on_loaded=quantizer.loaded if quantizer else None)
+        report, weights_cache = quantizer.report if quantizer else None, ""
+        if cached is not None and any(scheme(p) for p in model.parameters()) and packed_cache.save(cached, model,
+                                                                                                   report):
+            weights_cache = f"packed now, saved to {cached.folder}"
     model.eval()
     if quantizer:
         quantize.check_model(model, quantization)
@@ -133,8 +148,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     clock = time.perf_counter()
     tok = load_tokenizer(folder, tokenizer)
     startup["tokenizer"] = time.perf_counter() - clock
-    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed,
-                       quantizer.report if quantizer else None, quantize.weight_bytes(model), startup)
+    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed, report,
+                       quantize.weight_bytes(model), startup, weights_cache)
 
 
 def _copy_loader(param, loaded, shard_id=None):

@@ -1,0 +1,140 @@
+"""Quantized weights cached on disk: a model's parameters as loaded under a quantization (int8/int4 packed, the
+rest in the model's dtype), kept in `$MII_CACHE_DIR/packed/<key>` (default ~/.cache/mii) so that the next start
+of the same checkpoint, settings and mii reads them as they are instead of reading the float checkpoint and
+quantizing it again (a 0.5B-parameter model: ~2 s of quantization a start; a 7B one, ~30 s and its 14 GB of
+bf16 read).
+
+The key holds what the packed values depend on: the checkpoint folder's files (names, sizes, times), the
+quantization asked for, the model's dtype and class, and the source of the code that lays parameters out and packs
+them (`mii/loading`, `mii/layers`, `mii/models`). A folder of the same
+checkpoint whose files changed, or packed by other code, is removed when a new one is written, as are those of
+checkpoints that are gone. One rank only: under tensor parallelism each rank quantizes its own shard, as before.
+`MII_PACKED_CACHE=0` turns the cache off.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mii.envs import cache_dir
+from mii.layers.quant import scheme
+from mii.loading.quantize import QuantReport, QuantSpec
+
+log = logging.getLogger("mii")
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+RECORD_FILE = "record.json"  # the source folder, its files' identity, the code's, and the QuantReport
+_CODE = sorted(p for d in ("loading", "layers", "models") for p in (Path(__file__).parents[1] / d).glob("*.py"))
+
+
+def _identity(folder: Path) -> str:
+    """The checkpoint folder's files as they are now: names, sizes and modification times."""
+    parts = [f"{p.name}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in sorted(folder.iterdir()) if p.is_file()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _code() -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in _CODE) + f"{FORMAT_VERSION}".encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class Entry:
+    """Where a checkpoint's packed weights are (or will be) cached under one quantization and dtype."""
+
+    folder: Path
+    source: Path
+    identity: str
+    code: str
+
+    @property
+    def exists(self) -> bool:
+        return (self.folder / RECORD_FILE).is_file() and (self.folder / WEIGHTS_FILE).is_file()
+
+
+def entry(source: Path, spec: QuantSpec, dtype: torch.dtype, model: nn.Module) -> Entry:
+    identity, code = _identity(source), _code()
+    what = f"{source.resolve()}|{identity}|{code}|{spec}|{dtype}|{type(model).__name__}"
+    key = hashlib.sha256(what.encode()).hexdigest()[:16]
+    return Entry(cache_dir() / "packed" / f"{source.name}-{key}", source.resolve(), identity, code)
+
+
+def load(at: Entry, model: nn.Module) -> Optional[QuantReport]:
+    """Put the cached parameters into `model` (built, not loaded) and return the account of its quantization; None
+    (with a warning, the folder removed) where the folder cannot be read."""
+    from safetensors.torch import load_file
+
+    params = dict(model.named_parameters())
+    try:
+        record = json.loads((at.folder / RECORD_FILE).read_text())
+        tensors = load_file(str(at.folder / WEIGHTS_FILE))
+        if set(tensors) != set(params):
+            raise ValueError(f"other parameters than {type(model).__name__} has")
+    except Exception as e:  # (nothing assigned yet: the checkpoint loads as if there were no cache)
+        log.warning("mii: ignoring the packed weights cached in %s (%s: %s)", at.folder, type(e).__name__, e)
+        shutil.rmtree(at.folder, ignore_errors=True)
+        return None
+    for name, param in params.items():
+        param.data = tensors[name]
+    modules = dict(model.named_modules())
+    for name, dtype in record["out_dtypes"].items():  # (an embedding tied to a packed LM head: its rows' dtype)
+        modules[name].out_dtype = getattr(torch, dtype)
+    report = record["report"]
+    return QuantReport(kept_raw=collections.Counter(report["kept_raw"]),
+                       quantized=collections.Counter(report["quantized"]), requantized=report["requantized"],
+                       unquantized=report["unquantized"], notes=report["notes"], lm_head=report["lm_head"])
+
+
+def save(at: Entry, model: nn.Module, report: QuantReport) -> bool:
+    """Write `model`'s parameters and `report` under `at` (atomically: a folder renamed into place), then remove
+    the cached folders that can never be read again. False (and a warning) where the disk refused."""
+    from safetensors.torch import save_file
+
+    out_dtypes = {name: str(m.out_dtype).removeprefix("torch.") for name, m in model.named_modules()
+                  if getattr(m, "out_dtype", None) is not None}
+    tmp = None
+    try:
+        at.folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=at.folder.parent))
+        save_file({n: p.data.contiguous() for n, p in model.named_parameters()}, str(tmp / WEIGHTS_FILE))
+        (tmp / RECORD_FILE).write_text(json.dumps({
+            "source": str(at.source), "identity": at.identity, "code": at.code, "out_dtypes": out_dtypes,
+            "report": {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}}))
+        os.replace(tmp, at.folder)
+    except Exception as e:  # (a full disk, a lost race; never a failed load)
+        if not at.exists:  # (else another process wrote the same folder first)
+            log.warning("mii: could not cache the packed weights in %s (%s); the next start packs them again",
+                        at.folder, e)
+            return False
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # (gone once renamed)
+    _remove_stale(at)
+    return True
+
+
+def _remove_stale(kept: Entry) -> None:
+    """Remove the cached folders of this checkpoint from before its files or the code changed, and those of
+    checkpoints that are gone. Other quantizations and dtypes of the same files stay."""
+    for folder in kept.folder.parent.iterdir():
+        if folder == kept.folder or not folder.is_dir() or folder.name.startswith("."):
+            continue
+        try:
+            record = json.loads((folder / RECORD_FILE).read_text())
+            source = Path(record["source"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not source.exists() or (source == kept.source and (record.get("identity"), record.get("code"))
+                                   != (kept.identity, kept.code)):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""The packed weights' cache (`mii.loading.packed_cache`): a second start of the same checkpoint and quantization
+reads the int8/int4 weights as the first packed them, bit for bit, and says so; a changed checkpoint, other code or
+a damaged cache never serves stale values."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import mii
+from mii.envs import cache_dir
+from mii.loading import packed_cache
+from tests.reference import TINY, tiny_checkpoint
+
+VOCAB = 49152
+PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty mii cache, but for the CPU kernels this session built."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (root / "kernels").symlink_to(kernels)
+    monkeypatch.setenv("MII_CACHE_DIR", str(root))
+    return root
+
+
+def _load(path, quantization="int4"):
+    """(the parameters as the engine holds them, greedy tokens, the plan's start-up reason and quantization row)."""
+    pipe = mii.pipeline(str(path), quantization=quantization)
+    params = {n: p.detach().clone() for n, p in pipe.engine.runner.model.named_parameters()}
+    tokens = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False, ignore_eos=True)]
+    plan = pipe.engine_plan
+    pipe.destroy()
+    return params, tokens, plan.reasons["start-up"], plan.quantization
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_a_second_start_reads_the_weights_as_packed(tmp_path, tokenizer_dir, cache, monkeypatch, quantization):
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    first = _load(path, quantization)
+    (entry,) = (cache / "packed").iterdir()
+    assert f"(int8/int4 packed now, saved to {entry})" in first[2]
+    second = _load(path, quantization)
+    assert f"(int8/int4 read as packed before from {entry})" in second[2]
+    monkeypatch.setenv("MII_PACKED_CACHE", "0")
+    fresh = _load(path, quantization)
+    assert "packed as they load, at every start" in fresh[2]
+    assert any(p.dtype in (torch.uint8, torch.int8) for p in fresh[0].values())  # (packed: the cache has a role)
+    assert _same(first[0], second[0]) and _same(second[0], fresh[0])
+    assert first[1] == second[1] == fresh[1] and first[3] == second[3] == fresh[3]
+
+
+def test_nothing_is_cached_without_quantization_or_when_off(tmp_path, tokenizer_dir, cache, monkeypatch):
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    _load(path, "none")
+    assert not (cache / "packed").exists()
+    monkeypatch.setenv("MII_PACKED_CACHE", "0")
+    _load(path, "int4")
+    assert not (cache / "packed").exists()
+
+
+def test_a_changed_checkpoint_is_packed_again_and_stale_copies_go(tmp_path, tokenizer_dir, cache):
+    """The key holds the checkpoint's files: new weights in the same folder are packed again (never the old
+    values), and the copies of the old files go, under every quantization; so do those of a folder that is gone.
+    Other quantizations of the current files stay."""
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir, seed=0)
+    gone = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "gone", tokenizer_dir, seed=2)
+    old4, old8, gone4 = _load(path, "int4"), _load(path, "int8"), _load(gone, "int4")
+    assert len(list((cache / "packed").iterdir())) == 3
+    for f in gone.iterdir():
+        f.unlink()
+    gone.rmdir()
+
+    tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), path, tokenizer_dir, seed=1)  # new weights, same folder
+    new4 = _load(path, "int4")
+    assert "packed now" in new4[2] and not _same(new4[0], old4[0])
+    entries = list((cache / "packed").iterdir())
+    assert len(entries) == 1 and json.loads((entries[0] / "record.json").read_text())["source"] == str(path.resolve())
+    new8 = _load(path, "int8")
+    assert "packed now" in new8[2] and len(list((cache / "packed").iterdir())) == 2
+    assert "read as packed before" in _load(path, "int4")[2]
+
+
+def test_other_code_packs_again(tmp_path, tokenizer_dir, cache, monkeypatch):
+    """The key holds the source of the code that lays out and packs the weights (here: its format version)."""
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    _load(path)
+    monkeypatch.setattr(packed_cache, "FORMAT_VERSION", packed_cache.FORMAT_VERSION + 1)
+    assert "packed now" in _load(path)[2]
+    assert len(list((cache / "packed").iterdir())) == 1  # (the other code's copy of the same files: removed)
+
+
+@pytest.mark.parametrize("damage", ["weights", "record", "parameters"])
+def test_a_damaged_cache_is_ignored_with_a_warning(tmp_path, tokenizer_dir, cache, caplog, damage):
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    first = _load(path)
+    (entry,) = (cache / "packed").iterdir()
+    if damage == "weights":
+        (entry / "model.safetensors").write_bytes((entry / "model.safetensors").read_bytes()[:1000])
+    elif damage == "record":
+        (entry / "record.json").write_text("{")
+    else:  # a parameter the model does not have
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(entry / "model.safetensors"))
+        tensors["model.extra"] = torch.zeros(2)
+        save_file(tensors, str(entry / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="mii"):
+        again = _load(path)
+    assert f"ignoring the packed weights cached in {entry}" in caplog.text
+    assert "packed now" in again[2] and _same(first[0], again[0]) and first[1] == again[1]
+    assert "read as packed before" in _load(path)[2]
+
+
+def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tokenizer_dir, cache, caplog):
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    (cache / "packed").write_text("a file where the folder goes")
+    with caplog.at_level("WARNING", logger="mii"):
+        loaded = _load(path)
+    assert "could not cache the packed weights" in caplog.text
+    assert "packed as they load, at every start" in loaded[2]
+    os.remove(cache / "packed")
