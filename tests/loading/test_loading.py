@@ -265,7 +265,7 @@ def test_another_tokenizer_class_goes_through_autotokenizer(tokenizer_dir, tmp_p
 @pytest.mark.parametrize("quantization, packed", [("none", False), ("int8", True)])
 def test_the_plan_says_what_the_start_up_took(tiny_llama, caplog, quantization, packed):
     """A safetensors folder: the plan's start-up row has the kernels (loaded from the cache, or already in this
-    process), no GGUF part, and says when weights are packed at every start; the logged plan carries the row."""
+    process), no GGUF part, and says where quantized weights were packed and cached; the logged plan carries the row."""
     with caplog.at_level("INFO", logger="mii"):
         pipe = mii.pipeline(str(tiny_llama), quantization=quantization)
     plan = pipe.engine_plan
