@@ -101,7 +101,7 @@ def prefill_rate(pipe, n: int = 512, repeat: int = 3) -> float:
 
 def startup_times(dtype: str, threads: int) -> tuple[float, float]:
     """(cold, warm) seconds from a new process to a ready pipeline: cold with an empty mii cache (the GGUF
-    conversion and the CPU kernels' build), warm with the cache the cold start left."""
+    conversion, the CPU kernels' build, the packed weights written), warm with the cache the cold start left."""
     code = ("import time; t = time.perf_counter(); import mii; "
             f"mii.pipeline(dtype={dtype!r}, num_threads={threads}); print(time.perf_counter() - t)")
     with tempfile.TemporaryDirectory() as cache:
@@ -377,7 +377,7 @@ def main():
               + (": other processes took the threads' cores, a busy machine's numbers" if r["pace"][1] else ""))
     print(f"  pp512                     {r['pp512']:7.0f} tok/s")
     if cold is not None:
-        print(f"  start-up                  cold {cold:.1f} s (empty cache: GGUF conversion, kernel build), warm {warm:.1f} s")
+        print(f"  start-up                  cold {cold:.1f} s (empty cache: GGUF conversion, kernel build, packed weights written), warm {warm:.1f} s")
 
     labels = {"mii": "mii", "torch": "mii, torch backends", "dtype": f"mii, dtype={args.compare_dtype}"}
     systems = {labels[k]: v for k, v in results.items() if k != "quant"}
