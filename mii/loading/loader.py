@@ -110,7 +110,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     """Build the model in `dtype` on `device` and load its weights. With `bf16_weights`, the linear, LM head and
     embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
     of being prepacked for oneDNN (`bf16_kpairs`: in the layout for native bf16 dot products). With an active
-    `quantization`, each linear's weight is packed as int8/int4 as soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`."""
+    `quantization`, each linear's weight is packed as int8/int4 as soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`.
+    On one CPU rank the parameters so loaded are cached, and a later load of the same files and settings reads them
+    as they are (`mii.loading.packed_cache`)."""
     clock = time.perf_counter()
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     startup = {"checkpoint": time.perf_counter() - clock}
