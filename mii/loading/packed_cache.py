@@ -6,14 +6,16 @@ bf16 read).
 
 The key holds what the packed values depend on: the checkpoint folder's files (names, sizes, times), the
 quantization asked for, the model's dtype and class, and the source of the code that lays parameters out and packs
-them (`mii/loading`, `mii/layers`, `mii/models`). A folder of the same
-checkpoint whose files changed, or packed by other code, is removed when a new one is written, as are those of
-checkpoints that are gone. One rank only: under tensor parallelism each rank quantizes its own shard, as before.
+them (`mii/loading`, `mii/layers`, `mii/models`). A copy of the same checkpoint whose files changed, or packed by
+other code, is removed when a new one is written, as are those of checkpoints that are gone; a read marks its copy
+used, and any copy nobody read for 30 days goes too. One rank only: under tensor parallelism each rank quantizes its
+own shard, as before.
 `MII_PACKED_CACHE=0` turns the cache off.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +37,7 @@ from mii.loading.quantize import QuantReport, QuantSpec
 log = logging.getLogger("mii")
 
 FORMAT_VERSION = 1
+UNUSED_DAYS = 30  # a copy nobody read for this long is removed (its record's time is its last use)
 WEIGHTS_FILE = "model.safetensors"
 RECORD_FILE = "record.json"  # the source folder, its files' identity, the code's, and the QuantReport
 _CODE = sorted(p for d in ("loading", "layers", "models") for p in (Path(__file__).parents[1] / d).glob("*.py"))
@@ -87,6 +91,9 @@ def load(at: Entry, model: nn.Module) -> Optional[QuantReport]:
         return None
     for name, param in params.items():
         param.data = tensors[name]
+    with contextlib.suppress(OSError):
+        os.utime(at.folder / RECORD_FILE)  # (its last use)
+    _remove_stale(at, written=False)
     modules = dict(model.named_modules())
     for name, dtype in record["out_dtypes"].items():  # (an embedding tied to a packed LM head: its rows' dtype)
         modules[name].out_dtype = getattr(torch, dtype)
@@ -120,21 +127,31 @@ def save(at: Entry, model: nn.Module, report: QuantReport) -> bool:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # (gone once renamed)
-    _remove_stale(at)
+    _remove_stale(at, written=True)
     return True
 
 
-def _remove_stale(kept: Entry) -> None:
-    """Remove the cached folders of this checkpoint from before its files or the code changed, and those of
-    checkpoints that are gone. Other quantizations and dtypes of the same files stay."""
+def _remove_stale(kept: Entry, written: bool) -> None:
+    """Remove the cached copies that can no longer be read or were not read for UNUSED_DAYS: those of checkpoints
+    that are gone, those nobody read for that long, writes that died a day ago or more, and, after a write, this
+    checkpoint's copies from before its files or the code changed (another mii version may be reading its own copy
+    of the same files: that is left alone on reads). Other quantizations and dtypes of the same files stay."""
+    now = time.time()
     for folder in kept.folder.parent.iterdir():
-        if folder == kept.folder or not folder.is_dir() or folder.name.startswith("."):
-            continue
         try:
-            record = json.loads((folder / RECORD_FILE).read_text())
+            if folder == kept.folder or not folder.is_dir():
+                continue
+            if folder.name.startswith("."):
+                if folder.name.startswith(".writing-") and folder.stat().st_mtime < now - 86400:
+                    shutil.rmtree(folder, ignore_errors=True)
+                continue
+            record_file = folder / RECORD_FILE
+            record = json.loads(record_file.read_text())
             source = Path(record["source"])
+            changed = source == kept.source and (record.get("identity"), record.get("code")) != (kept.identity,
+                                                                                                kept.code)
+            if (not source.exists() or record_file.stat().st_mtime < now - UNUSED_DAYS * 86400
+                    or (written and changed)):
+                shutil.rmtree(folder, ignore_errors=True)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not source.exists() or (source == kept.source and (record.get("identity"), record.get("code"))
-                                   != (kept.identity, kept.code)):
-            shutil.rmtree(folder, ignore_errors=True)

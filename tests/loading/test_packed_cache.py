@@ -129,3 +129,33 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tokenizer_dir, cach
     assert "could not cache the packed weights" in caplog.text
     assert "packed as they load, at every start" in loaded[2]
     os.remove(cache / "packed")
+
+
+def test_a_read_marks_its_copy_used_and_unused_copies_go(tmp_path, tokenizer_dir, cache):
+    """A read touches its copy's record (its last use). Copies nobody read for 30 days go, whatever their source,
+    and so do writes that died a day ago; on a read, this checkpoint's copies from other files or code stay (another
+    mii version may be reading its own)."""
+    import time
+
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    _load(path)
+    (entry,) = (cache / "packed").iterdir()
+    now = time.time()
+
+    def fake(name, age_days, dot=False):
+        folder = cache / "packed" / name
+        folder.mkdir()
+        if not dot:
+            (folder / "record.json").write_text(json.dumps({"source": str(path.resolve()), "identity": "other",
+                                                            "code": "other"}))
+            os.utime(folder / "record.json", (now - age_days * 86400,) * 2)
+        os.utime(folder, (now - age_days * 86400,) * 2)
+        return folder
+
+    unused, other_version = fake("model-unused", 31), fake("model-other", 29)
+    dead, writing = fake(".writing-dead", 2, dot=True), fake(".writing-now", 0, dot=True)
+    os.utime(entry / "record.json", (now - 10 * 86400,) * 2)
+    assert "read as packed before" in _load(path)[2]
+    assert time.time() - (entry / "record.json").stat().st_mtime < 3600
+    assert not unused.exists() and not dead.exists()
+    assert other_version.exists() and writing.exists() and entry.exists()
