@@ -119,20 +119,21 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     clock = time.perf_counter()
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
-    tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
-    if source.kind == "gguf":  # the matrices whose exact blocks hold them: floats only if a parameter takes them
-        deferred = gguf_blocks.deferred_floats(folder)
-        tensors, total = itertools.chain(tensors, deferred), (total or 0) + len(deferred) or None
     spec, cfg = resolve(hf)
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
-    quantizer = quantize.Quantizer(model, quantization, folder) if quantization and quantization.active else None
-    cached = (packed_cache.entry(folder, quantization, dtype, model) if quantizer and not packed_cache_disabled()
+    quantizing = bool(quantization and quantization.active)
+    cached = (packed_cache.entry(folder, quantization, dtype, model) if quantizing and not packed_cache_disabled()
               and device.type == "cpu" and tp_size() == 1 else None)
     report = packed_cache.load(cached, model) if cached is not None and cached.exists else None
     if report is not None:
         weights_cache = f"read as packed before from {cached.folder}"
     else:
+        tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
+        if source.kind == "gguf":  # the matrices whose exact blocks hold them: floats only if a parameter takes them
+            deferred = gguf_blocks.deferred_floats(folder)
+            tensors, total = itertools.chain(tensors, deferred), (total or 0) + len(deferred) or None
+        quantizer = quantize.Quantizer(model, quantization, folder) if quantizing else None
         load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False),
                      on_loaded=quantizer.loaded if quantizer else None)
         report, weights_cache = quantizer.report if quantizer else None, ""
@@ -140,7 +141,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                                                                                                    report):
             weights_cache = f"packed now, saved to {cached.folder}"
     model.eval()
-    if quantizer:
+    if quantizing:
         quantize.check_model(model, quantization)
     if bf16_weights:
         store_weights_bf16(model, kpairs=bf16_kpairs)

@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from mii.envs import cache_dir
+from mii.kernels import UNUSED_DAYS  # (the kernel builds' rule: a copy nobody read for this long goes)
 from mii.layers.quant import scheme
 from mii.loading.quantize import QuantReport, QuantSpec
 
 log = logging.getLogger("mii")
 
 FORMAT_VERSION = 1
-UNUSED_DAYS = 30  # a copy nobody read for this long is removed (its record's time is its last use)
 WEIGHTS_FILE = "model.safetensors"
 RECORD_FILE = "record.json"  # the source folder, its files' identity, the code's, and the QuantReport
 _CODE = sorted(p for d in ("loading", "layers", "models") for p in (Path(__file__).parents[1] / d).glob("*.py"))
@@ -91,12 +91,12 @@ def load(at: Entry, model: nn.Module) -> Optional[QuantReport]:
         return None
     for name, param in params.items():
         param.data = tensors[name]
-    with contextlib.suppress(OSError):
-        os.utime(at.folder / RECORD_FILE)  # (its last use)
-    _remove_stale(at, written=False)
     modules = dict(model.named_modules())
     for name, dtype in record["out_dtypes"].items():  # (an embedding tied to a packed LM head: its rows' dtype)
         modules[name].out_dtype = getattr(torch, dtype)
+    with contextlib.suppress(OSError):
+        os.utime(at.folder / RECORD_FILE)  # (its last use)
+    _remove_stale(at, written=False)
     report = record["report"]
     return QuantReport(kept_raw=collections.Counter(report["kept_raw"]),
                        quantized=collections.Counter(report["quantized"]), requantized=report["requantized"],
