@@ -46,8 +46,9 @@ class LoadedModel:
     """Seconds each part of the load took: "checkpoint" (a GGUF's conversion, or finding its converted folder),
     "weights" (read, packed, re-laid out), "tokenizer"."""
     weights_cache: str = ""
-    """What the packed weights' cache did (`mii.loading.packed_cache`): "read as packed before from …", "packed
-    now, saved to …", or "" (not used: no quantization, off, or not written)."""
+    """What of the weights is packed for the kernels and what the packed weights' cache did with it
+    (`mii.loading.packed_cache`): "int8/int4 read as packed before from …", "bf16 tiles packed now, saved to …",
+    "… packed as they load, at every start" (the cache off or not written), or "" (nothing packed)."""
 
 
 @contextlib.contextmanager
@@ -110,9 +111,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     """Build the model in `dtype` on `device` and load its weights. With `bf16_weights`, the linear, LM head and
     embedding weights are then kept in bf16 and multiplied by mii::linear_bf16w (`store_weights_bf16`) instead
     of being prepacked for oneDNN (`bf16_kpairs`: in the layout for native bf16 dot products). With an active
-    `quantization`, each linear's weight is packed as int8/int4 as soon as it is loaded (`mii.loading.quantize`); the other weights follow `bf16_weights`.
-    On one CPU rank the parameters so loaded are cached, and a later load of the same files and settings reads them
-    as they are (`mii.loading.packed_cache`)."""
+    `quantization`, each linear's weight is packed as int8/int4 as soon as it is loaded (`mii.loading.quantize`);
+    the other weights follow `bf16_weights`. On one CPU rank the parameters so packed or tiled are cached, and a
+    later load of the same files and settings maps them as they are (`mii.loading.packed_cache`)."""
     clock = time.perf_counter()
     folder = gguf_file.cached_folder(source.path, source.name) if source.kind == "gguf" else source.path
     startup = {"checkpoint": time.perf_counter() - clock}
@@ -123,11 +124,13 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_class(cfg)
     quantizing = bool(quantization and quantization.active)
-    cached = (packed_cache.entry(folder, quantization, dtype, model) if quantizing and not packed_cache_disabled()
-              and device.type == "cpu" and tp_size() == 1 else None)
-    report = packed_cache.load(cached, model) if cached is not None and cached.exists else None
-    if report is not None:
-        weights_cache = f"read as packed before from {cached.folder}"
+    layout = ("k-pair tiles" if bf16_kpairs else "tiles") if bf16_weights else ""
+    cached = (packed_cache.entry(folder, quantization if quantizing else None, dtype, model, layout)
+              if (quantizing or bf16_weights) and not packed_cache_disabled() and device.type == "cpu"
+              and tp_size() == 1 else None)
+    read = packed_cache.load(cached, model) if cached is not None and cached.exists else None
+    if read is not None:
+        report = read.report
     else:
         tensors, total = checkpoint.iter_folder(files), checkpoint.count_tensors(files) or None
         if source.kind == "gguf":  # the matrices whose exact blocks hold them: floats only if a parameter takes them
@@ -136,23 +139,37 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         quantizer = quantize.Quantizer(model, quantization, folder) if quantizing else None
         load_weights(model, tqdm(tensors, total=total, desc=f"Loading {source.name}", unit="tensor", leave=False),
                      on_loaded=quantizer.loaded if quantizer else None)
-        report, weights_cache = quantizer.report if quantizer else None, ""
-        if cached is not None and any(scheme(p) for p in model.parameters()) and packed_cache.save(cached, model,
-                                                                                                   report):
-            weights_cache = f"packed now, saved to {cached.folder}"
+        report = quantizer.report if quantizer else None
     model.eval()
     if quantizing:
         quantize.check_model(model, quantization)
-    if bf16_weights:
+    if bf16_weights and read is None:
         store_weights_bf16(model, kpairs=bf16_kpairs)
-    packed = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
+    packed = _packed(model)
+    if not packed:
+        weights_cache = ""
+    elif read is not None:
+        weights_cache = f"{packed} read as packed before from {cached.folder}"
+    elif cached is not None and packed_cache.save(cached, model, report):
+        weights_cache = f"{packed} packed now, saved to {cached.folder}"
+    else:
+        weights_cache = f"{packed} packed as they load, at every start"
+    prepacked = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0
     quantize.release_freed_memory()  # the float copies quantization or a bf16 re-layout replaced
     startup["weights"] = time.perf_counter() - clock
     clock = time.perf_counter()
     tok = load_tokenizer(folder, tokenizer)
     startup["tokenizer"] = time.perf_counter() - clock
-    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, packed, report,
+    return LoadedModel(model, cfg, tok, _eos_ids(folder, cfg, tok), source, prepacked, report,
                        quantize.weight_bytes(model), startup, weights_cache)
+
+
+def _packed(model: torch.nn.Module) -> str:
+    """What of the model's weights is laid out for the kernels: "int8/int4", "bf16 tiles", both, or ""."""
+    kinds = ["int8/int4"] if any(scheme(p) for p in model.parameters()) else []
+    if any(getattr(m, "bf16_kernel", False) for m in model.modules()):
+        kinds.append("bf16 tiles")
+    return " and ".join(kinds)
 
 
 def _copy_loader(param, loaded, shard_id=None):

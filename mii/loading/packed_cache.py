@@ -1,15 +1,17 @@
-"""Quantized weights cached on disk: a model's parameters as loaded under a quantization (int8/int4 packed, the
-rest in the model's dtype), kept in `$MII_CACHE_DIR/packed/<key>` (default ~/.cache/mii) so that the next start
-of the same checkpoint, settings and mii reads them as they are instead of reading the float checkpoint and
-quantizing it again (a 0.5B-parameter model: ~2 s of quantization a start; a 7B one, ~30 s and its 14 GB of
-bf16 read).
+"""Packed weights cached on disk: a model's parameters as the kernels read them (int8/int4 packed by a
+quantization, bf16 weights in the tiles of `store_weights_bf16`, the rest in the model's dtype), kept in
+`$MII_CACHE_DIR/packed/<key>` (default ~/.cache/mii) so that the next start of the same checkpoint, settings and
+mii maps them as they are (no copy: the file's pages are the weights, shared by every process that maps them)
+instead of reading the checkpoint and packing it again (a 0.5B-parameter model: ~2 s of quantization a start; a 7B
+one, ~30 s and its 14 GB of bf16 read; a 1B one in bf16, ~4 s of copies and tiling).
 
 The key holds what the packed values depend on: the checkpoint folder's files (names, sizes, times), the
-quantization asked for, the model's dtype and class, and the source of the code that lays parameters out and packs
-them (`mii/loading`, `mii/layers`, `mii/models`). A copy of the same checkpoint whose files changed, or packed by
-other code, is removed when a new one is written, as are those of checkpoints that are gone; a read marks its copy
-used, and any copy nobody read for 30 days goes too. One rank only: under tensor parallelism each rank quantizes its
-own shard, as before.
+quantization asked for, the model's dtype, class and bf16 layout, and the source of the code that lays parameters
+out and packs them (`mii/loading`, `mii/layers`, `mii/models`). A copy of the same checkpoint whose files changed,
+or packed by other code, is removed when a new one is written, as are those of checkpoints that are gone; a read
+marks its copy used, and any copy nobody read for 30 days goes too. A write that would leave the disk with less
+than `MIN_FREE_BYTES` (or a twentieth of it) free is skipped. One rank only: under tensor parallelism each rank
+packs its own shard, as before.
 `MII_PACKED_CACHE=0` turns the cache off.
 """
 from __future__ import annotations
@@ -37,9 +39,10 @@ from mii.loading.quantize import QuantReport, QuantSpec
 
 log = logging.getLogger("mii")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MIN_FREE_BYTES = 2 << 30  # what a write leaves free on the cache's disk, at least
 WEIGHTS_FILE = "model.safetensors"
-RECORD_FILE = "record.json"  # the source folder, its files' identity, the code's, and the QuantReport
+RECORD_FILE = "record.json"  # the source folder, its files' identity, the code's, the QuantReport, the modules' flags
 _CODE = sorted(p for d in ("loading", "layers", "models") for p in (Path(__file__).parents[1] / d).glob("*.py"))
 
 
@@ -67,57 +70,75 @@ class Entry:
         return (self.folder / RECORD_FILE).is_file() and (self.folder / WEIGHTS_FILE).is_file()
 
 
-def entry(source: Path, spec: QuantSpec, dtype: torch.dtype, model: nn.Module) -> Entry:
+@dataclasses.dataclass
+class Read:
+    """A copy read into the model: the account of its quantization (None where none was asked for)."""
+
+    report: Optional[QuantReport]
+
+
+def entry(source: Path, spec: Optional[QuantSpec], dtype: torch.dtype, model: nn.Module, layout: str) -> Entry:
+    """`layout`: how the bf16 weights are laid out ("" as loaded, or `store_weights_bf16`'s tiles)."""
     identity, code = _identity(source), _code()
-    what = f"{source.resolve()}|{identity}|{code}|{spec}|{dtype}|{type(model).__name__}"
+    what = f"{source.resolve()}|{identity}|{code}|{spec}|{dtype}|{type(model).__name__}|{layout}"
     key = hashlib.sha256(what.encode()).hexdigest()[:16]
     return Entry(cache_dir() / "packed" / f"{source.name}-{key}", source.resolve(), identity, code)
 
 
-def load(at: Entry, model: nn.Module) -> Optional[QuantReport]:
-    """Put the cached parameters into `model` (built, not loaded) and return the account of its quantization; None
-    (with a warning, the folder removed) where the folder cannot be read."""
+def load(at: Entry, model: nn.Module) -> Optional[Read]:
+    """Put the cached parameters into `model` (built, not loaded), mapped from the file, with the modules' flags
+    as they were written; None (with a warning, the folder removed) where the folder cannot be read."""
     from safetensors.torch import load_file
 
     params = dict(model.named_parameters())
     try:
         record = json.loads((at.folder / RECORD_FILE).read_text())
-        tensors = load_file(str(at.folder / WEIGHTS_FILE))
+        tensors = {n: t for n, t in load_file(str(at.folder / WEIGHTS_FILE)).items() if not n.startswith(_PAD)}
         if set(tensors) != set(params):
             raise ValueError(f"other parameters than {type(model).__name__} has")
+        modules = dict(model.named_modules())
+        flags = [(modules[name], "out_dtype", getattr(torch, dtype)) for name, dtype in record["out_dtypes"].items()]
+        flags += [(modules[name], "bf16_kernel", True) for name in record["bf16_kernels"]]
     except Exception as e:  # (nothing assigned yet: the checkpoint loads as if there were no cache)
         log.warning("mii: ignoring the packed weights cached in %s (%s: %s)", at.folder, type(e).__name__, e)
         shutil.rmtree(at.folder, ignore_errors=True)
         return None
     for name, param in params.items():
         param.data = tensors[name]
-    modules = dict(model.named_modules())
-    for name, dtype in record["out_dtypes"].items():  # (an embedding tied to a packed LM head: its rows' dtype)
-        modules[name].out_dtype = getattr(torch, dtype)
+    for module, flag, value in flags:  # (an embedding's rows' dtype; a linear that reads bf16 tiles)
+        setattr(module, flag, value)
     with contextlib.suppress(OSError):
         os.utime(at.folder / RECORD_FILE)  # (its last use)
     _remove_stale(at, written=False)
     report = record["report"]
-    return QuantReport(kept_raw=collections.Counter(report["kept_raw"]),
-                       quantized=collections.Counter(report["quantized"]), requantized=report["requantized"],
-                       unquantized=report["unquantized"], notes=report["notes"], lm_head=report["lm_head"])
+    return Read(report and QuantReport(
+        kept_raw=collections.Counter(report["kept_raw"]), quantized=collections.Counter(report["quantized"]),
+        requantized=report["requantized"], unquantized=report["unquantized"], notes=report["notes"],
+        lm_head=report["lm_head"]))
 
 
-def save(at: Entry, model: nn.Module, report: QuantReport) -> bool:
-    """Write `model`'s parameters and `report` under `at` (atomically: a folder renamed into place), then remove
-    the cached folders that can never be read again. False (and a warning) where the disk refused."""
-    from safetensors.torch import save_file
-
+def save(at: Entry, model: nn.Module, report: Optional[QuantReport]) -> bool:
+    """Write `model`'s parameters, its modules' flags and `report` under `at` (atomically: a folder renamed into
+    place), then remove the cached folders that can never be read again. False (and a warning) where the disk
+    refused or would be left too full."""
     out_dtypes = {name: str(m.out_dtype).removeprefix("torch.") for name, m in model.named_modules()
                   if getattr(m, "out_dtype", None) is not None}
+    bf16_kernels = [name for name, m in model.named_modules() if getattr(m, "bf16_kernel", False)]
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
     tmp = None
     try:
         at.folder.parent.mkdir(parents=True, exist_ok=True)
+        disk = shutil.disk_usage(at.folder.parent)
+        if disk.free - size < max(MIN_FREE_BYTES, disk.total // 20):
+            log.warning("mii: not caching the packed weights (%.1f GB) in %s: the disk has %.1f GB free; the next "
+                        "start packs them again", size / 1e9, at.folder.parent, disk.free / 1e9)
+            return False
         tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=at.folder.parent))
-        save_file({n: p.data.contiguous() for n, p in model.named_parameters()}, str(tmp / WEIGHTS_FILE))
+        _write_aligned(tmp / WEIGHTS_FILE, {n: p.data for n, p in model.named_parameters()})
         (tmp / RECORD_FILE).write_text(json.dumps({
             "source": str(at.source), "identity": at.identity, "code": at.code, "out_dtypes": out_dtypes,
-            "report": {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}}))
+            "bf16_kernels": bf16_kernels,
+            "report": report and {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}}))
         os.replace(tmp, at.folder)
     except Exception as e:  # (a full disk, a lost race; never a failed load)
         if not at.exists:  # (else another process wrote the same folder first)
@@ -129,6 +150,38 @@ def save(at: Entry, model: nn.Module, report: QuantReport) -> bool:
             shutil.rmtree(tmp, ignore_errors=True)  # (gone once renamed)
     _remove_stale(at, written=True)
     return True
+
+
+_PAD = "__pad."  # (filler tensors, not parameters)
+_ALIGN = 64
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+              torch.bool: "BOOL"}
+
+
+def _write_aligned(path: Path, tensors: dict) -> None:
+    """A safetensors file whose every tensor starts on a 64-byte boundary of the file, so of its mapping: the
+    kernels' 64-byte loads then never straddle two cache lines (`safetensors.torch.save_file` packs them back to
+    back, 8-byte aligned: a bf16 1B model's 512-token prompt ran ~1.35x slower from such a file's pages). The
+    format has no gaps, so a U8 filler tensor (`_PAD`) takes each; the header is padded with spaces."""
+    header, parts, at = {}, [], 0
+    for name, t in tensors.items():
+        if at % _ALIGN:
+            pad = _ALIGN - at % _ALIGN
+            header[f"{_PAD}{len(parts)}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [at, at + pad]}
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+            at += pad
+        t = t.detach().contiguous()
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + size]}
+        parts.append(t.reshape(-1).view(torch.uint8))
+        at += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for part in parts:
+            f.write(part.numpy().data)
 
 
 def _remove_stale(kept: Entry, written: bool) -> None:

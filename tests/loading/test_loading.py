@@ -265,7 +265,8 @@ def test_another_tokenizer_class_goes_through_autotokenizer(tokenizer_dir, tmp_p
 @pytest.mark.parametrize("quantization, packed", [("none", False), ("int8", True)])
 def test_the_plan_says_what_the_start_up_took(tiny_llama, caplog, quantization, packed):
     """A safetensors folder: the plan's start-up row has the kernels (loaded from the cache, or already in this
-    process), no GGUF part, and says where quantized weights were packed and cached; the logged plan carries the row."""
+    process), no GGUF part, and says what of the weights was packed (int8/int4, bf16 tiles) and where it was cached;
+    the logged plan carries the row."""
     with caplog.at_level("INFO", logger="mii"):
         pipe = mii.pipeline(str(tiny_llama), quantization=quantization)
     plan = pipe.engine_plan
@@ -273,8 +274,10 @@ def test_the_plan_says_what_the_start_up_took(tiny_llama, caplog, quantization, 
     assert re.match(r"CPU kernels (already loaded in this process|loaded in \d+\.\d s from .+/kernels/[0-9a-f]{16});",
                     why), why
     assert "GGUF" not in why and f"tokenizer {plan.startup['tokenizer']:.1f} s" in why
-    assert bool(re.search(r"weights \d+\.\d s \(int8/int4 (packed now, saved to|read as packed before from) "
-                          rf"{re.escape(str(cache_dir() / 'packed'))}/", why)) == packed
+    tiles = plan.linear_backend == "kernel"  # (bf16 weights tiled for mii::linear_bf16w: cached too)
+    what = " and ".join(["int8/int4"] * packed + ["bf16 tiles"] * tiles)
+    assert bool(re.search(rf"weights \d+\.\d s \({what} (packed now, saved to|read as packed before from) "
+                          rf"{re.escape(str(cache_dir() / 'packed'))}/", why)) == (packed or tiles)
     assert plan.describe().splitlines()[-1].startswith(f"  start-up             {plan.startup['total']:.1f} s  (")
     assert plan.describe() in caplog.text
     pipe.destroy()

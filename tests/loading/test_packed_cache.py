@@ -1,8 +1,9 @@
-"""The packed weights' cache (`mii.loading.packed_cache`): a second start of the same checkpoint and quantization
-reads the int8/int4 weights as the first packed them, bit for bit, and says so; a changed checkpoint, other code or
-a damaged cache never serves stale values."""
+"""The packed weights' cache (`mii.loading.packed_cache`): a second start of the same checkpoint and settings maps
+the int8/int4 weights and bf16 tiles as the first laid them out, bit for bit, 64-byte aligned, and says so; a changed
+checkpoint, other code or a damaged cache never serves stale values."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -29,14 +30,17 @@ def cache(tmp_path, monkeypatch):
     return root
 
 
-def _load(path, quantization="int4"):
-    """(the parameters as the engine holds them, greedy tokens, the plan's start-up reason and quantization row)."""
-    pipe = mii.pipeline(str(path), quantization=quantization)
+def _load(path, quantization="int4", **kwargs):
+    """(the parameters as the engine holds them, greedy tokens, the plan's start-up reason and quantization row,
+    what of the weights is packed as the plan's start-up row names it)."""
+    pipe = mii.pipeline(str(path), quantization=quantization, **kwargs)
     params = {n: p.detach().clone() for n, p in pipe.engine.runner.model.named_parameters()}
     tokens = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False, ignore_eos=True)]
     plan = pipe.engine_plan
+    tiles = plan.linear_backend == "kernel"  # (bf16 weights tiled for mii::linear_bf16w)
+    what = " and ".join(["int8/int4"] * (quantization != "none") + ["bf16 tiles"] * tiles)
     pipe.destroy()
-    return params, tokens, plan.reasons["start-up"], plan.quantization
+    return params, tokens, plan.reasons["start-up"], plan.quantization, what
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -48,20 +52,51 @@ def test_a_second_start_reads_the_weights_as_packed(tmp_path, tokenizer_dir, cac
     path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
     first = _load(path, quantization)
     (entry,) = (cache / "packed").iterdir()
-    assert f"(int8/int4 packed now, saved to {entry})" in first[2]
+    assert f"({first[4]} packed now, saved to {entry})" in first[2]
     second = _load(path, quantization)
-    assert f"(int8/int4 read as packed before from {entry})" in second[2]
+    assert f"({first[4]} read as packed before from {entry})" in second[2]
     monkeypatch.setenv("MII_PACKED_CACHE", "0")
     fresh = _load(path, quantization)
-    assert "packed as they load, at every start" in fresh[2]
+    assert f"({first[4]} packed as they load, at every start)" in fresh[2]
     assert any(p.dtype in (torch.uint8, torch.int8) for p in fresh[0].values())  # (packed: the cache has a role)
     assert _same(first[0], second[0]) and _same(second[0], fresh[0])
     assert first[1] == second[1] == fresh[1] and first[3] == second[3] == fresh[3]
 
 
-def test_nothing_is_cached_without_quantization_or_when_off(tmp_path, tokenizer_dir, cache, monkeypatch):
+def test_bf16_tiles_are_mapped_from_the_cache_aligned(tmp_path, tokenizer_dir, cache, monkeypatch):
+    """No quantization, bf16 weights tiled for mii::linear_bf16w (the plan on any CPU the kernels build for): the
+    tiles are cached; the next start maps them from the file (no copy), each on a 64-byte boundary (the kernels'
+    loads), with the same parameters and tokens as a start without the cache."""
     path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
-    _load(path, "none")
+    first = _load(path, "none")
+    assert first[4] == "bf16 tiles"
+    (entry,) = (cache / "packed").iterdir()
+    assert f"(bf16 tiles packed now, saved to {entry})" in first[2]
+    pipe = mii.pipeline(str(path), quantization="none")
+    assert f"(bf16 tiles read as packed before from {entry})" in pipe.engine_plan.reasons["start-up"]
+    mapped = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(entry / "model.safetensors")):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                mapped.append((lo, hi))
+    params = [p for p in pipe.engine.runner.model.parameters() if p.numel()]
+    assert mapped and all(any(lo <= p.data_ptr() < hi for lo, hi in mapped) for p in params)
+    assert all(p.data_ptr() % 64 == 0 for p in params)
+    second = ({n: p.detach().clone() for n, p in pipe.engine.runner.model.named_parameters()},
+              [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, do_sample=False, ignore_eos=True)])
+    pipe.destroy()
+    monkeypatch.setenv("MII_PACKED_CACHE", "0")
+    fresh = _load(path, "none")
+    assert "(bf16 tiles packed as they load, at every start)" in fresh[2]
+    assert _same(first[0], second[0]) and _same(second[0], fresh[0])
+    assert first[1] == second[1] == fresh[1]
+
+
+def test_nothing_is_cached_where_nothing_is_packed_or_when_off(tmp_path, tokenizer_dir, cache, monkeypatch):
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    plain = _load(path, "none", dtype="float32")  # (fp32 weights as loaded: nothing laid out for a kernel)
+    assert plain[4] == "" and re.search(r"weights \d+\.\d s;", plain[2])
     assert not (cache / "packed").exists()
     monkeypatch.setenv("MII_PACKED_CACHE", "0")
     _load(path, "int4")
@@ -129,6 +164,19 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tokenizer_dir, cach
     assert "could not cache the packed weights" in caplog.text
     assert "packed as they load, at every start" in loaded[2]
     os.remove(cache / "packed")
+
+
+def test_a_disk_nearly_full_is_left_alone(tmp_path, tokenizer_dir, cache, caplog, monkeypatch):
+    """A copy that would leave the cache's disk with less than MIN_FREE_BYTES (or a twentieth of it) free is not
+    written: the start goes on, packing at every start, and says why."""
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    full = packed_cache.shutil.disk_usage(cache)._replace(free=packed_cache.MIN_FREE_BYTES + 1000)
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", lambda _: full)
+    with caplog.at_level("WARNING", logger="mii"):
+        loaded = _load(path)
+    assert re.search(r"not caching the packed weights \(0\.\d GB\) in .*: the disk has 2\.1 GB free", caplog.text)
+    assert "packed as they load, at every start" in loaded[2]
+    assert not list((cache / "packed").iterdir())
 
 
 def test_a_read_marks_its_copy_used_and_unused_copies_go(tmp_path, tokenizer_dir, cache):
