@@ -16,8 +16,12 @@ same run, and on its BF16 re-quantization
 when `llama-quantize` is next to the binary (`bench/peers.py` says how to build them); then our decode and its
 tg256 @ d128 alternated pair by pair, three times for int4 and for bf16, whose median pair is the ratio to quote.
 
+With `--model PATH`, a GGUF file other than the embedded model (`bench/random_gguf.py` makes a bigger one here),
+read by mii and llama.cpp alike; its name stands where "the embedded model" does below.
+
     .venv/bin/python -m bench.throughput [--skip-hf] [--skip-startup] [--compare-torch] [--compare-quant]
-                                         [--llama-bench PATH] [--requests 64] [--json results.json] [--plot w64.png]
+                                         [--llama-bench PATH] [--model PATH] [--requests 64] [--json results.json]
+                                         [--plot w64.png]
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -99,11 +104,11 @@ def prefill_rate(pipe, n: int = 512, repeat: int = 3) -> float:
     return n / best
 
 
-def startup_times(dtype: str, threads: int) -> tuple[float, float]:
+def startup_times(model: Optional[str], dtype: str, threads: int) -> tuple[float, float]:
     """(cold, warm) seconds from a new process to a ready pipeline: cold with an empty mii cache (the GGUF
     conversion, the CPU kernels' build, the packed weights written), warm with the cache the cold start left."""
     code = ("import time; t = time.perf_counter(); import mii; "
-            f"mii.pipeline(dtype={dtype!r}, num_threads={threads}); print(time.perf_counter() - t)")
+            f"mii.pipeline({model!r}, dtype={dtype!r}, num_threads={threads}); print(time.perf_counter() - t)")
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, MII_CACHE_DIR=cache)
         times = []
@@ -133,26 +138,28 @@ LOAD_RSS = """
 import sys, mii
 from bench.throughput import resident_bytes
 before = resident_bytes()
-pipe = mii.pipeline(dtype=sys.argv[1], num_threads=int(sys.argv[2]), quantization=sys.argv[3],
+pipe = mii.pipeline(sys.argv[6] or None, dtype=sys.argv[1], num_threads=int(sys.argv[2]), quantization=sys.argv[3],
                     quantize_activations=sys.argv[4] == "1", kv_cache_dtype=sys.argv[5])
 print(resident_bytes() - before)
 """
 
 
-def load_resident(dtype: str, threads: int, q: str, act8: bool, kv: str = "auto") -> int:
-    """The resident bytes a load of the embedded model adds, in a fresh process (in this one, what an earlier
+def load_resident(model: Optional[str], dtype: str, threads: int, q: str, act8: bool, kv: str = "auto") -> int:
+    """The resident bytes a load of the model adds, in a fresh process (in this one, what an earlier
     pipeline freed is handed back or reused during the next load, so that a delta here can even be negative)."""
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-c", LOAD_RSS, dtype, str(threads), q, "1" if act8 else "0", kv],
+    # (the packed weights' cache off: a copy read from it is the file's pages, resident only once a step reads them)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           "MII_PACKED_CACHE": "0"}
+    p = subprocess.run([sys.executable, "-c", LOAD_RSS, dtype, str(threads), q, "1" if act8 else "0", kv, model or ""],
                        capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"measuring the resident memory of quantization={q!r} failed:\n{p.stderr[-2000:]}")
     return int(p.stdout.strip().splitlines()[-1])
 
 
-def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
-    """W64 and single stream of the embedded model as int4 (its GGUF's blocks), int4 with int8 activations
+def compare_quant(model: Optional[str], dtype: str, threads: int, prompts, outputs) -> dict:
+    """W64 and single stream of the model as int4 (its GGUF's blocks), int4 with int8 activations
     (quantize_activations), int4 with an int8 KV cache (kv_cache_dtype, where this CPU's kernel reads one), int4
     with MII_QUANT_TILES=bf16 (where this CPU has AMX), int8 and bf16, one after the other in this process; the
     resident memory each load adds, each in a fresh process."""
@@ -170,12 +177,12 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
                 continue
             os.environ["MII_QUANT_TILES"] = "bf16"
         try:
-            pipe = mii.pipeline(dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8,
+            pipe = mii.pipeline(model, dtype=dtype, num_threads=threads, quantization=q, quantize_activations=act8,
                                 kv_cache_dtype=kv)
         except ValidationError as e:
             print(f"{'':<14} mii {label}: not on this machine ({e})", flush=True)
             continue
-        grown = load_resident(dtype, threads, q, act8, kv)
+        grown = load_resident(model, dtype, threads, q, act8, kv)
         r = measure(pipe, prompts, outputs, f"mii {label}")
         r.update(rss_mb=grown / 1e6, weights_mb={k: v / 1e6 for k, v in pipe.engine_plan.weight_bytes.items()},
                  plan=pipe.engine_plan.quantization)
@@ -188,14 +195,15 @@ def compare_quant(dtype: str, threads: int, prompts, outputs) -> dict:
     return out
 
 
-def decode_duel(binary: Path, files: dict, dtype: str, threads: int, rounds: int = 3) -> dict:
+def decode_duel(model: Optional[str], binary: Path, files: dict, dtype: str, threads: int, rounds: int = 3) -> dict:
     """Single-stream decode (128-token prompt, 256 new) alternated with llama-bench's tg256 @ d128 on the same
     weights, pair by pair, so that the machine's drift over the run (up to 30% between minutes on a shared one)
     does not fall between the two sides: {label: {"mii": [tok/s], "llama.cpp": [tok/s]}}. `files`: label ->
     (quantization, the GGUF llama.cpp reads)."""
     from bench.peers import llama_decode
 
-    pipes = {label: mii.pipeline(dtype=dtype, num_threads=threads, quantization=q) for label, (q, _) in files.items()}
+    pipes = {label: mii.pipeline(model, dtype=dtype, num_threads=threads, quantization=q)
+             for label, (q, _) in files.items()}
     out = {label: {"mii": [], "llama.cpp": []} for label in files}
     try:
         for p in pipes.values():
@@ -240,6 +248,8 @@ def main():
     ap.add_argument("--llama-bench", nargs="?", const="", default=None, metavar="PATH",
                     help="also run llama.cpp's llama-bench (pp512, tg128) on the same GGUF and cores; PATH defaults "
                          "to $LLAMA_BENCH or llama-bench on PATH")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a GGUF file for every system (default: the embedded model; bench/random_gguf.py makes others)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="auto (the engine plan's choice), bfloat16 or float32")
     ap.add_argument("--threads", type=int, default=None,
@@ -255,7 +265,8 @@ def main():
     prompts, outputs = w64(args.requests)
     n_in, n_out = sum(map(len, prompts)), sum(outputs)
     print(f"W64: {len(prompts)} requests, {n_in} prompt tokens, {n_out} output tokens, greedy, EOS ignored")
-    pipe = mii.pipeline(dtype=args.dtype, num_threads=threads)
+    model = args.model
+    pipe = mii.pipeline(model, dtype=args.dtype, num_threads=threads)
     plan = pipe.engine_plan
     dtype = plan.torch_dtype
     # the machine's own rates, probed again after the measurements: a shared machine has slow minutes (one run's
@@ -275,16 +286,16 @@ def main():
     probes.append((matmul_gflops(dtype), copy_gbps()))
     if args.compare_torch:
         os.environ["MII_KERNELS"] = "0"
-        torch_pipe = mii.pipeline(dtype=args.dtype, num_threads=threads)
+        torch_pipe = mii.pipeline(model, dtype=args.dtype, num_threads=threads)
         del os.environ["MII_KERNELS"]
         results["torch"] = measure(torch_pipe, prompts, outputs, "mii (torch)")
         torch_pipe.destroy()
     if args.compare_dtype:
-        other = mii.pipeline(dtype=args.compare_dtype, num_threads=threads)
+        other = mii.pipeline(model, dtype=args.compare_dtype, num_threads=threads)
         results["dtype"] = measure(other, prompts, outputs, f"mii {args.compare_dtype}")
         other.destroy()
     if args.compare_quant:
-        results["quant"] = compare_quant(args.dtype, threads, prompts, outputs)
+        results["quant"] = compare_quant(model, args.dtype, threads, prompts, outputs)
         probes.append((matmul_gflops(dtype), copy_gbps()))
     gflops, gbps = max(p[0] for p in probes), max(p[1] for p in probes)
     floor, bw_floor = flops / (gflops * 1e9), gbps * 1e9 / wbytes
@@ -297,24 +308,24 @@ def main():
         binary = find_llama_bench(args.llama_bench or None)
         if binary is None:
             raise SystemExit("--llama-bench: no llama-bench binary found (give its path or set $LLAMA_BENCH)")
-        llama = llama_bench(binary, Path(mii.default_model()), threads, types=("BF16",))
+        llama = llama_bench(binary, Path(model or mii.default_model()), threads, types=("BF16",))
         for ftype, row in llama.items():
             print(f"{'llama.cpp':<14} {ftype if ftype != 'file' else 'GGUF as shipped'}: pp512 {row['pp512']:6.0f} "
                   f"tok/s, tg128 {row['tg128']:6.1f} tok/s, tg256 @ d128 {row['tg256@d128']:6.1f} tok/s", flush=True)
         files = {"int4": ("auto", Path(llama["file"]["file"]))}
         if "BF16" in llama:
             files["bf16"] = ("none", Path(llama["BF16"]["file"]))
-        duel = decode_duel(binary, files, args.dtype, threads)
+        duel = decode_duel(model, binary, files, args.dtype, threads)
         for label, d in duel.items():
             print(f"{'alternated':<14} {label}: mii {' '.join(f'{x:.1f}' for x in d['mii'])} / llama.cpp "
                   f"{' '.join(f'{x:.1f}' for x in d['llama.cpp'])} tok/s (128 + 256 tokens, pair by pair)", flush=True)
     hf = None
     if not args.skip_hf:
-        hf = run_hf(mii.default_model(), prompts, outputs, dtype)
+        hf = run_hf(model or mii.default_model(), prompts, outputs, dtype)
         print(f"{'transformers':<14} W64 {hf:6.1f} s (generate, static batches of 16)", flush=True)
     cold = warm = None
     if not args.skip_startup:
-        cold, warm = startup_times(args.dtype, threads)
+        cold, warm = startup_times(model, args.dtype, threads)
 
     r = results["mii"]
     print("\nsummary (same-run ratios)")
