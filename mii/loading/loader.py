@@ -47,7 +47,7 @@ class LoadedModel:
     "weights" (read, packed, re-laid out), "tokenizer"."""
     weights_cache: str = ""
     """What of the weights is packed for the kernels and what the packed weights' cache did with it
-    (`mii.loading.packed_cache`): "int8/int4 read as packed before from …", "bf16 tiles packed now, saved to …",
+    (`mii.loading.packed_cache`): "int8/int4 read as packed before from …", "bf16 tiles packed now, saving to …" (on a thread of its own),
     "… packed as they load, at every start" (the cache off or not written), or "" (nothing packed)."""
 
 
@@ -151,7 +151,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     elif read is not None:
         weights_cache = f"{packed} read as packed before from {cached.folder}"
     elif cached is not None and packed_cache.save(cached, model, report):
-        weights_cache = f"{packed} packed now, saved to {cached.folder}"
+        weights_cache = f"{packed} packed now, saving to {cached.folder}"
     else:
         weights_cache = f"{packed} packed as they load, at every start"
     prepacked = prepack_cpu_bf16(model) if prepack and not bf16_weights else 0

@@ -124,7 +124,7 @@ def test_gguf_file_loads_and_caches(default_model_path, tmp_path):
 
     packed = list((tmp_path / "cache" / "packed").iterdir())  # (the int8/int4 weights as loaded, for the next start)
     assert len(packed) == 1 and (packed[0] / "model.safetensors").is_file()
-    for run, gguf, weights in ((first, "converted now", f"packed now, saved to {packed[0]}"),
+    for run, gguf, weights in ((first, "converted now", f"packed now, saving to {packed[0]}"),
                                (second, "read as converted before", f"read as packed before from {packed[0]}")):
         times, why, text = json.loads(run.stdout.splitlines()[-2])
         parts = ("kernels", "checkpoint", "weights", "tokenizer", "engine")
@@ -276,7 +276,7 @@ def test_the_plan_says_what_the_start_up_took(tiny_llama, caplog, quantization, 
     assert "GGUF" not in why and f"tokenizer {plan.startup['tokenizer']:.1f} s" in why
     tiles = plan.linear_backend == "kernel"  # (bf16 weights tiled for mii::linear_bf16w: cached too)
     what = " and ".join(["int8/int4"] * packed + ["bf16 tiles"] * tiles)
-    assert bool(re.search(rf"weights \d+\.\d s \({what} (packed now, saved to|read as packed before from) "
+    assert bool(re.search(rf"weights \d+\.\d s \({what} (packed now, saving to|read as packed before from) "
                           rf"{re.escape(str(cache_dir() / 'packed'))}/", why)) == (packed or tiles)
     assert plan.describe().splitlines()[-1].startswith(f"  start-up             {plan.startup['total']:.1f} s  (")
     assert plan.describe() in caplog.text

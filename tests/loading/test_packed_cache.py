@@ -40,6 +40,7 @@ def _load(path, quantization="int4", **kwargs):
     tiles = plan.linear_backend == "kernel"  # (bf16 weights tiled for mii::linear_bf16w)
     what = " and ".join(["int8/int4"] * (quantization != "none") + ["bf16 tiles"] * tiles)
     pipe.destroy()
+    packed_cache.wait_for_writes()  # (a copy is written on a thread of its own)
     return params, tokens, plan.reasons["start-up"], plan.quantization, what
 
 
@@ -52,7 +53,7 @@ def test_a_second_start_reads_the_weights_as_packed(tmp_path, tokenizer_dir, cac
     path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
     first = _load(path, quantization)
     (entry,) = (cache / "packed").iterdir()
-    assert f"({first[4]} packed now, saved to {entry})" in first[2]
+    assert f"({first[4]} packed now, saving to {entry})" in first[2]
     second = _load(path, quantization)
     assert f"({first[4]} read as packed before from {entry})" in second[2]
     monkeypatch.setenv("MII_PACKED_CACHE", "0")
@@ -71,7 +72,7 @@ def test_bf16_tiles_are_mapped_from_the_cache_aligned(tmp_path, tokenizer_dir, c
     first = _load(path, "none")
     assert first[4] == "bf16 tiles"
     (entry,) = (cache / "packed").iterdir()
-    assert f"(bf16 tiles packed now, saved to {entry})" in first[2]
+    assert f"(bf16 tiles packed now, saving to {entry})" in first[2]
     pipe = mii.pipeline(str(path), quantization="none")
     assert f"(bf16 tiles read as packed before from {entry})" in pipe.engine_plan.reasons["start-up"]
     mapped = []
@@ -164,6 +165,25 @@ def test_a_cache_that_cannot_be_written_only_warns(tmp_path, tokenizer_dir, cach
     assert "could not cache the packed weights" in caplog.text
     assert "packed as they load, at every start" in loaded[2]
     os.remove(cache / "packed")
+
+
+def test_the_start_does_not_wait_for_the_write(tmp_path, tokenizer_dir, cache, monkeypatch):
+    """The copy is written on a thread of its own: the engine is built and answers while the write is held back; the
+    copy appears, and is read by the next start, once the write is let go."""
+    import threading
+
+    path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
+    held, write = threading.Event(), packed_cache._write_aligned
+    monkeypatch.setattr(packed_cache, "_write_aligned", lambda *a: (held.wait(60), write(*a)))
+    pipe = mii.pipeline(str(path), quantization="int4")
+    assert re.search(r"packed now, saving to .+\)", pipe.engine_plan.reasons["start-up"])
+    assert pipe(PROMPTS[:1], max_new_tokens=4, do_sample=False)[0].token_ids
+    assert not [e for e in (cache / "packed").iterdir() if not e.name.startswith(".writing-")]
+    pipe.destroy()
+    held.set()
+    packed_cache.wait_for_writes()
+    (entry,) = (cache / "packed").iterdir()
+    assert f"read as packed before from {entry})" in _load(path)[2]
 
 
 def test_a_disk_nearly_full_is_left_alone(tmp_path, tokenizer_dir, cache, caplog, monkeypatch):
