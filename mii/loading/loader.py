@@ -47,8 +47,9 @@ class LoadedModel:
     "weights" (read, packed, re-laid out), "tokenizer"."""
     weights_cache: str = ""
     """What of the weights is packed for the kernels and what the packed weights' cache did with it
-    (`mii.loading.packed_cache`): "int8/int4 read as packed before from …", "bf16 tiles packed now, saving to …" (on a thread of its own),
-    "… packed as they load, at every start" (the cache off or not written), or "" (nothing packed)."""
+    (`mii.loading.packed_cache`): "int8/int4 read as packed before from …", "bf16 tiles packed now, saving to …"
+    (on a thread of its own), "… packed as they load, at every start" (the cache off or not written), or ""
+    (nothing packed)."""
 
 
 @contextlib.contextmanager
