@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 import mii
+import mii.engine.plan
 from mii.envs import cache_dir
 from mii.loading import packed_cache
 from tests.reference import TINY, tiny_checkpoint
@@ -64,10 +65,14 @@ def test_a_second_start_reads_the_weights_as_packed(tmp_path, tokenizer_dir, cac
     assert first[1] == second[1] == fresh[1] and first[3] == second[3] == fresh[3]
 
 
-def test_bf16_tiles_are_mapped_from_the_cache_aligned(tmp_path, tokenizer_dir, cache, monkeypatch):
-    """No quantization, bf16 weights tiled for mii::linear_bf16w (the plan on any CPU the kernels build for): the
-    tiles are cached; the next start maps them from the file (no copy), each on a 64-byte boundary (the kernels'
-    loads), with the same parameters and tokens as a start without the cache."""
+@pytest.mark.parametrize("native_bf16", ["as this CPU", "without"])
+def test_bf16_tiles_are_mapped_from_the_cache_aligned(tmp_path, tokenizer_dir, cache, monkeypatch, native_bf16):
+    """No quantization, bf16 weights tiled for mii::linear_bf16w (the plan on any CPU the kernels build for: k-pair
+    tiles under bf16 math where the CPU has native bf16, else 8x8 tiles under fp32 math, planned here as on such a
+    CPU): the tiles are cached; the next start maps them from the file (no copy), each on a 64-byte boundary (the
+    kernels' loads), with the same parameters and tokens as a start without the cache."""
+    if native_bf16 == "without":
+        monkeypatch.setattr(mii.engine.plan, "cpu_has_fast_bf16", lambda: False)
     path = tiny_checkpoint(LlamaConfig(vocab_size=VOCAB, **TINY), tmp_path / "model", tokenizer_dir)
     first = _load(path, "none")
     assert first[4] == "bf16 tiles"
@@ -82,6 +87,10 @@ def test_bf16_tiles_are_mapped_from_the_cache_aligned(tmp_path, tokenizer_dir, c
                 lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
                 mapped.append((lo, hi))
     params = [p for p in pipe.engine.runner.model.parameters() if p.numel()]
+    kpairs = pipe.engine_plan.bf16_kpairs
+    assert kpairs == (native_bf16 == "as this CPU" and mii.engine.plan.cpu_has_fast_bf16())
+    tiled = [p for p in params if p.dim() == 3]  # (k-pair tiles [N/16, K/2, 32], else 8x8 tiles [N/8, K/8, 64])
+    assert tiled and all(p.shape[-1] == (32 if kpairs else 64) for p in tiled)
     assert mapped and all(any(lo <= p.data_ptr() < hi for lo, hi in mapped) for p in params)
     assert all(p.data_ptr() % 64 == 0 for p in params)
     second = ({n: p.detach().clone() for n, p in pipe.engine.runner.model.named_parameters()},
