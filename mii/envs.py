@@ -76,7 +76,8 @@ def kernels_disabled() -> bool:
 
 
 def packed_cache_disabled() -> bool:
-    """MII_PACKED_CACHE=0: quantized weights are packed at every start, never cached (`mii.loading.packed_cache`)."""
+    """MII_PACKED_CACHE=0: weights laid out for the kernels (int8/int4 packed, bf16 tiles) are laid out at every start,
+    never cached (`mii.loading.packed_cache`)."""
     return os.environ.get("MII_PACKED_CACHE", "1") == "0"
 
 
