@@ -113,8 +113,7 @@ def _startup_reason(plan: EnginePlan, loaded, kernels: str, converted: bool) -> 
     if loaded.source.kind == "gguf":
         parts.append(f"GGUF {'read as converted before' if converted else 'converted now'} in {t['checkpoint']:.1f} s "
                      f"({gguf_file.folder_for(loaded.source.path)})")
-    how = loaded.weights_cache
-    parts.append(f"weights {t['weights']:.1f} s" + (f" ({how})" if how else ""))
+    parts.append(f"weights {t['weights']:.1f} s" + (f" ({loaded.weights_cache})" if loaded.weights_cache else ""))
     parts.append(f"tokenizer {t['tokenizer']:.1f} s")
     parts.append(f"KV cache and plan {t['engine']:.1f} s")
     return "; ".join(parts)

@@ -141,32 +141,23 @@ def save(at: Entry, model: nn.Module, report: Optional[QuantReport]) -> bool:
         log.warning("mii: not caching the packed weights (%.1f GB) in %s: the disk has %.1f GB free; the next start "
                     "packs them again", size / 1e9, at.folder.parent, disk.free / 1e9)
         return False
-    writer = threading.Thread(target=_write, args=(at, tensors, record), name="mii-packed-cache")
-    with _writers_lock:
-        _writers.append(writer)
-    writer.start()
+    threading.Thread(target=_write, args=(at, tensors, record), name=_WRITER).start()
     return True
 
 
 def wait_for_writes(timeout: Optional[float] = None) -> None:
     """Wait for the copies this process is writing (`save`)."""
-    with _writers_lock:
-        writers = list(_writers)
-    for writer in writers:
-        writer.join(timeout)
+    for writer in threading.enumerate():
+        if writer.name == _WRITER:
+            writer.join(timeout)
 
 
-_writers: list = []
-_writers_lock = threading.Lock()
+_WRITER = "mii-packed-cache"  # (the writing threads' name)
 
 
 def _write(at: Entry, tensors: dict, record: dict) -> None:
-    try:
-        if _write_folder(at, tensors, record):
-            _remove_stale(at, written=True)
-    finally:
-        with _writers_lock:
-            _writers.remove(threading.current_thread())
+    if _write_folder(at, tensors, record):
+        _remove_stale(at, written=True)
 
 
 def _write_folder(at: Entry, tensors: dict, record: dict) -> bool:
