@@ -93,6 +93,68 @@ def path(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", FORMATS)
 
 
+@pytest.fixture(scope="module")
+def reference(path):
+    """The `gguf` package's own reading of the mixed file (the embedded model's tokenizer fields, six formats)."""
+    return gguf.GGUFReader(str(path))
+
+
+def assert_reads_as_the_gguf_package(got, want):
+    assert list(got.fields) == [k for k in want.fields if not k.startswith("GGUF.")]  # (its header, as fields)
+    for key, value in got.fields.items():
+        assert value == want.fields[key].contents(), key
+    assert [(t.name, t.tensor_type, tuple(t.shape)) for t in got.tensors] == \
+           [(t.name, t.tensor_type, tuple(int(d) for d in t.shape)) for t in want.tensors]
+    for a, b in zip(got.tensors, want.tensors):
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
+
+
+def test_read_gguf_reads_as_the_gguf_package(path, reference):
+    """mii's own GGUF reader (a fraction of the package's time: the tokenizer's ~100,000 strings) gives the same
+    fields and the same tensors, values or blocks, as views of the file."""
+    from mii.loading import gguf_file
+
+    got = gguf_file.read_gguf(path)
+    assert len(got.fields["tokenizer.ggml.tokens"]) == VOCAB
+    assert_reads_as_the_gguf_package(got, reference)
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_read_gguf_in_either_byte_order(tmp_path, endian):
+    from mii.loading import gguf_file
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama", endianess=gguf.GGUFEndian[endian])
+    w.add_block_count(3)
+    w.add_rope_freq_base(5e5)
+    w.add_token_list(["a", "bé", "<s>"])
+    w.add_token_scores([0.5, -1.0, 2.0])
+    w.add_token_types([1, 1, 3])
+    w.add_add_bos_token(True)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w.add_tensor("f32", x)
+    w.add_tensor("f16", x.astype(np.float16))
+    w.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    w.add_tensor("q8", gguf.quants.quantize(x, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("bf16", gguf.quants.quantize(x, Q.BF16), raw_dtype=Q.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = gguf_file.read_gguf(tmp_path / "t.gguf")
+    assert_reads_as_the_gguf_package(got, gguf.GGUFReader(str(tmp_path / "t.gguf")))
+    assert got.fields["tokenizer.ggml.tokens"] == ["a", "bé", "<s>"] and got.fields["llama.block_count"] == 3
+    assert np.array_equal(got.tensors[0].data, x) and np.array_equal(got.tensors[1].data, x.astype(np.float16))
+
+
+def test_read_gguf_refuses_what_is_not_gguf(tmp_path):
+    from mii.loading import gguf_file
+
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_file.read_gguf(tmp_path / "x.gguf")
+
+
 @pytest.fixture(autouse=True)
 def _one_rank():
     yield
@@ -132,7 +194,7 @@ def test_blocks_round_trip_against_gguf(fmt):
         assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(gguf.quants.dequantize(data, Q[fmt])))
 
 
-def test_the_converted_folder_keeps_exact_matrices_only_as_blocks(path):
+def test_the_converted_folder_keeps_exact_matrices_only_as_blocks(path, reference):
     """The conversion writes no float copy of a Q8_0/Q4_0/Q4_1 matrix (Q4_K's, Q5_0's and F16's it does); what a
     float load reads for them, dequantized from the blocks, is the gguf package's dequantization of the file
     (rows of q and k un-permuted as transformers does), bit for bit."""
@@ -143,14 +205,13 @@ def test_the_converted_folder_keeps_exact_matrices_only_as_blocks(path):
     folder = gguf_file.cached_folder(path, "mixed")
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         floats = set(f.keys())
-    reader = gguf.GGUFReader(str(path))
-    config = gguf_file.gguf_config(reader)
+    config = gguf_file.gguf_config(gguf_file.read_gguf(path))
     table = gguf_blocks.BlockTable(folder)
     exact = set(table.float_names())
     assert "model.embed_tokens.weight" in exact and "model.layers.2.mlp.gate_proj.weight" not in exact
     assert not exact & floats and "model.layers.2.mlp.gate_proj.weight" in floats
     assert len(exact) == 1 + sum(f in (Q.Q8_0, Q.Q4_0, Q.Q4_1) for fmts in FORMATS.values() for f in fmts.values())
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in reference.tensors}
     gguf_name = {v: k for k, v in gguf_file._GGUF_NAMES.items()}
     for name in exact:
         stem = name.removesuffix(".weight")
