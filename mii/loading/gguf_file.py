@@ -138,36 +138,33 @@ def read_gguf(path) -> GGUF:
     return GGUF(fields, tensors)
 
 
-def _field(reader: GGUF, key, default=None):
-    return reader.fields.get(key, default)
-
-
 def gguf_config(reader: GGUF) -> dict:
     """A Hugging Face style config.json built from GGUF metadata."""
-    arch = _field(reader, "general.architecture")
+    meta = reader.fields
+    arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
     hf_arch, model_type = _GGUF_ARCHS[arch]
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
+    heads = meta.get(f"{arch}.attention.head_count")
+    hidden = meta.get(f"{arch}.embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens"))
     return {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.get(f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": meta.get(f"{arch}.context_length", 2048),
+        "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
 
 
