@@ -371,8 +371,8 @@ def main():
     if args.stage in ("all", "1"):
         part("machine", probe_machine)
         part("tests: kernels, graphs, plan on cuda", run_pytest, "kernels",
-             ["tests/kernels/test_paged_attention_cuda.py", "tests/engine/test_cuda_graphs.py",
-              "tests/engine/test_gpu_plan.py"], 150, need=40)
+             ["tests/kernels/test_paged_attention_cuda.py", "tests/kernels/test_fused_cuda.py",
+              "tests/engine/test_cuda_graphs.py", "tests/engine/test_gpu_plan.py"], 150, need=40)
         model = part("random 1B model", lambda: {"path": str(random_llama_1b())}, need=60)
         if model["ok"]:
             path = model["path"]

@@ -102,12 +102,12 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             layer.backend = attention
-        if attention == "kernel" and device.type == "cpu":  # mii's CPU kernels are built: fused norm/rotary/silu too
+        if attention == "kernel":  # mii's kernels are there (C++ on CPU, Triton on a GPU): fused norm/rotary/silu too
             for m in model.modules():
                 if hasattr(m, "fused"):
                     m.fused = True
-            for m in model.modules():  # the decoder layers in one C++ call where the architecture allows
-                if hasattr(m, "fuse_stack"):
+            for m in model.modules():  # on CPU the decoder layers in one C++ call where the architecture allows
+                if device.type == "cpu" and hasattr(m, "fuse_stack"):
                     m.fuse_stack()
         if hasattr(model, "bind_ops"):
             model.bind_ops()

@@ -22,7 +22,9 @@ CPU_KV_CAP_BYTES = 2 << 30
 ATTENTION_LABELS = {"torch": "torch SDPA over gathered KV blocks",
                     "kernel": "mii::paged_attention (KV blocks read in place, one call per layer); "
                               "fused rms_norm+residual, rotary, silu*mul; pre-norm RMSNorm/SiLU models run all "
-                              "their layers in one mii::decoder_stack call"}
+                              "their layers in one mii::decoder_stack call",
+                    "kernel on cuda": "mii::paged_attention (Triton: KV blocks read in place, one or two launches "
+                                      "a layer); fused rms_norm+residual, rotary, silu*mul (Triton, one launch each)"}
 LINEAR_LABELS = {"torch": "torch (oneDNN/MKL)",
                  "kernel": "mii::linear_bf16w (bf16 weights, tiled for one sequential stream, widened to fp32 in "
                            "registers)"}
@@ -92,7 +94,8 @@ class EnginePlan:
         rows = [("device", self.device), ("dtype", self.dtype), ("weights", weights),
                 ("threads", self.num_threads),
                 ("tensor parallel", f"{self.tensor_parallel} rank(s)"),
-                ("attention", ATTENTION_LABELS.get(self.attention, self.attention)),
+                ("attention", ATTENTION_LABELS.get(f"{self.attention} on {self.device.split(':')[0]}",
+                                                   ATTENTION_LABELS.get(self.attention, self.attention))),
                 ("linears", KPAIRS_LABEL if self.bf16_kpairs else LINEAR_LABELS.get(self.linear_backend,
                                                                                      self.linear_backend)),
                 ("kv dtype", self.kv_dtype or self.dtype),

@@ -222,13 +222,16 @@ _registered: list = []
 
 
 def load_cuda_kernels() -> Optional[str]:
-    """Register the CUDA implementation of `mii::paged_attention`; None when ready, else the reason it is not."""
+    """Register the CUDA implementations of `mii::paged_attention` and of the fused element-wise ops
+    (`fused_cuda`); None when ready, else the reason they are not."""
     if triton is None:
         return "triton is not importable"
     if not _registered:
-        import mii.kernels  # noqa: F401  (defines the op)
+        import mii.kernels  # noqa: F401  (defines the ops)
+        from mii.kernels import fused_cuda
 
         lib = torch.library.Library("mii", "IMPL")
         lib.impl("paged_attention", _op_cuda, "CUDA")
+        fused_cuda.register(lib)
         _registered.append(lib)  # the registration lives as long as this Library object
     return None

@@ -24,7 +24,7 @@ class MLP(nn.Module):
             self.fc2 = RowParallelLinear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
 
-    fused = False  # set by the model runner when mii's CPU kernels are built (silu only: mii::silu_and_mul)
+    fused = False  # set by the model runner where mii's kernels are (CPU or GPU; silu only: mii::silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

@@ -10,7 +10,8 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * (offset + weight), computed in float32 as Hugging Face does. Gemma uses offset 1.
-    With `fused` (set by the model runner when mii's CPU kernels are built), one `mii::rms_norm` call."""
+    With `fused` (set by the model runner where mii's kernels are: C++ on CPU, Triton on a GPU), one `mii::rms_norm`
+    call."""
 
     fused = False
 

@@ -92,7 +92,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * mscale), persistent=False)
         self._positions: Optional[torch.Tensor] = None
 
-    fused = False  # set by the model runner when mii's CPU kernels are built: one in-place mii::rotary_ call
+    fused = False  # set by the model runner where mii's kernels are (CPU or GPU): one in-place mii::rotary_ call
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, h, d], k: [T, kvh, d]; rotates the first rot_dim features of each head."""

@@ -48,3 +48,13 @@ def test_cuda_graphs_off_and_why():
     plan_cuda_graphs(None, p, enabled=True)
     assert "Triton" in p.cuda_graphs
     assert "cuda graphs" in p.describe()
+
+
+def test_the_plan_names_the_gpu_kernels():
+    """On a GPU the kernel row names the Triton kernels (attention and the fused norm, rotary and SiLU·mul), not
+    the CPU's decoder stack; the torch row stays as it is."""
+    gpu = EnginePlan(device="cuda:0", dtype="bfloat16", num_threads=1, attention="kernel").describe()
+    assert "fused rms_norm+residual, rotary, silu*mul (Triton" in gpu and "decoder_stack" not in gpu
+    assert "decoder_stack" in EnginePlan(device="cpu", dtype="bfloat16", num_threads=1, attention="kernel").describe()
+    torch_gpu = EnginePlan(device="cuda", dtype="bfloat16", num_threads=1, attention="torch").describe()
+    assert "torch SDPA over gathered KV blocks" in torch_gpu
