@@ -74,6 +74,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 
 constexpr int64_t kFewRows = 8;  // rows up to which a step may take few_rows_stack (the decode linears' row counts)
 
+// whether linear() takes mii's kernels for every linear of the stack (no oneDNN-packed or ATen weight), whose
+// threads share out through mii_team::parallel_for (at up to kFewRows rows: their streaming forms, no ATen GEMM)
+bool mii_kernels_only(at::TensorList params, const at::Tensor& x, int64_t layers) {
+  for (int64_t i = 0; i < layers; ++i)
+    for (const int64_t j : {1, 3, 6, 8}) {
+      const at::Tensor& w = params[i * kPerLayer + j];
+      const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
+      const bool bf16w = w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat);
+      if (w.is_mkldnn() || !(quantized || bf16w)) return false;
+    }
+  return true;
+}
+
 #ifdef MII_BF16_VEC
 
 bool dense_bf16(const at::Tensor& t, int64_t n) {
@@ -214,20 +227,24 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
   const int64_t T = x_in.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
   // a step of a few rows: the layers' forms for raw rows, where they take every layer (decided at the first such
   // step, and remembered in the handle: -1 not yet, 0 no, 1 yes; no on CPUs without AVX-512)
-  if (T >= 1 && T <= kFewRows && few_rows != nullptr) {
+  // (2: the layers' own kernels, all mii's, in one parallel region, where few_rows_stack does not take them)
+  const bool few = T >= 1 && T <= kFewRows && few_rows != nullptr;
+  if (few && *few_rows < 0) {
 #ifdef MII_BF16_VEC
-    if (*few_rows < 0) *few_rows = few_rows_fit(x_in, params, n_heads, n_kv_heads, head_dim, windows, act8);
-    if (*few_rows == 1)
-      return few_rows_stack(x_in, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables,
-                            max_query_len, n_heads, n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8,
-                            final_norm, pace);
+    *few_rows = few_rows_fit(x_in, params, n_heads, n_kv_heads, head_dim, windows, act8) ? 1 : 0;
 #else
     *few_rows = 0;
 #endif
+    if (*few_rows == 0 && mii_kernels_only(params, x_in, layers)) *few_rows = 2;
   }
+#ifdef MII_BF16_VEC
+  if (few && *few_rows == 1)
+    return few_rows_stack(x_in, positions, params, caches, slot_mapping, query_start, seq_lens, block_tables,
+                          max_query_len, n_heads, n_kv_heads, head_dim, scale, eps, norm_offset, windows, act8,
+                          final_norm, pace);
+#endif
   at::Tensor x = x_in, residual;
-  // each kernel its own parallel region, their joins' waits told to the handle's pace
-  mii_team::timed([&] {
+  const auto layers_loop = [&] {
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* p = params.data() + i * P;
       at::Tensor h;
@@ -255,7 +272,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
       std::tie(h, residual) = rms_norm_cpu(o, residual, p[5], eps, norm_offset);
       x = linear(silu_and_mul_cpu(linear(h, p[6], p[7], act8)), p[8], p[9], act8, /*bias_after=*/true);
     }
-  }, pace);
+  };
+  // a step of a few rows whose linears are all mii's (fp32 rows on CPUs without AVX512-BF16, or rows the few-rows
+  // forms do not take): every kernel's threads in one parallel region, as few_rows_stack's, the same shares (so the
+  // same values); else each kernel its own parallel region (oneDNN's and MKL's run their own), their joins' waits
+  // told to the handle's pace. Single-stream decode on the AVX2 kernels, alternated in one process (Zen 4 as
+  // MII_CPU_ISA=avx2, 12 rounds): int4 1.05x, bf16 weights 1.01x
+  if (few && *few_rows == 2)
+    mii_team::run(layers_loop, pace);
+  else
+    mii_team::timed(layers_loop, pace);
   if (final_norm.has_value() && final_norm->defined() && layers > 0)
     return rms_norm_cpu(x, residual, *final_norm, eps, norm_offset);
   return {x, residual};
@@ -274,7 +300,7 @@ struct StackParams {
   std::vector<at::Tensor>* held;  // params, then caches
   std::vector<int64_t>* windows;
   int64_t n_params;
-  int64_t few_rows = -1;  // whether a step of 1-8 rows takes few_rows_stack: -1 not known yet, 0 no, 1 yes
+  int64_t few_rows = -1;  // how a step of 1-8 rows runs: -1 not known yet, 0 as others, 1 few_rows_stack, 2 one region
   mii_team::Pace* pace;   // how many threads its parallel region takes
 };
 
@@ -323,7 +349,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_held_cpu(
                            norm_offset, *h.windows, act8, final_norm, &h.few_rows, h.pace);
 }
 
-// mii::stack_few_rows: whether a handle's steps of 1-8 rows take few_rows_stack (-1: none has run yet, 0: no, 1: yes)
+// mii::stack_few_rows: how a handle's steps of 1-8 rows run (-1: none has run yet, 0: as the others, 1: few_rows_stack,
+// 2: the layers' kernels in one parallel region)
 int64_t stack_few_rows_cpu(const at::Tensor& handle) { return held_stack(handle).few_rows; }
 
 // mii::stack_threads: the threads a handle's next step takes, of the `configured` (the engine sets them for the

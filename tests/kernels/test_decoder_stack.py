@@ -2,7 +2,8 @@
 layers' own forward and the last norm on the same step: logits bit-identical at every step of a run that mixes decode rows and prompt chunks, for each
 variant it covers (Llama with a tied, tiled bf16 LM head, or on CPUs with native bf16 its weights prepacked for
 oneDNN; Qwen2's qkv bias; Llama's optional biases on all its linears; Qwen3's q/k norm; Mistral's
-sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations), steps of 1-8 rows through its few-rows path included;
+sliding window; fp32 weights; int4 and int8 weights, int4 with int8 activations, int4 under fp32 math), steps of 1-8
+rows through its few-rows path or in one parallel region included;
 and the architectures it does not cover keep the layers."""
 import pytest
 import torch
@@ -30,6 +31,8 @@ CASES = {
     "qwen2-int8": (Qwen2Config(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int8")),
     "llama-int4-act8": (LlamaConfig(vocab_size=VOCAB, **TINY), "auto", dict(quantization="int4", quantization_group=32,
                                                                           quantize_activations=True)),
+    "llama-int4-fp32": (LlamaConfig(vocab_size=VOCAB, **TINY), "float32", dict(quantization="int4",
+                                                                             quantization_group=32)),
 }
 ROW_KERNELS_QUANT = {"avx512bw", "avx512_vnni", "avx512vbmi"}  # the packed int4/int8 weights' single-row kernel
 
@@ -41,6 +44,20 @@ def _random_norms_and_biases(model):
             torch.nn.init.normal_(p, mean=1.0, std=0.5)
         elif name.endswith("bias"):
             torch.nn.init.normal_(p, std=0.1)
+
+
+def _few_rows(model, plan, takes_rows: bool) -> int:
+    """What mii::stack_few_rows should say once a step of 1-8 rows has run: 1, the few-rows path; else 2 where every
+    linear of the stack is one of mii's kernels (packed int8/int4, bf16 weights under fp32 math, k-pair tiles), whose
+    threads then share one parallel region for the whole step; else 0."""
+    if takes_rows:
+        return 1
+    weights = [lin.weight if lin.packed is None else lin.packed for layer in model.model.layers
+               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    mine = all(not w.is_mkldnn and (w.dtype in (torch.uint8, torch.int8) or w.dim() == 3
+                                    or (w.dtype == torch.bfloat16 and plan.torch_dtype == torch.float32))
+               for w in weights)
+    return 2 if mine else 0
 
 
 def _both_paths_per_step(pipe):
@@ -93,7 +110,7 @@ def test_stack_equals_layers(tmp_path, tokenizer_dir, case):
         plan = pipe.engine_plan
         row_kernels = ROW_KERNELS_QUANT <= cpu_flags() if extra else plan.bf16_kpairs
         takes = plan.torch_dtype == torch.bfloat16 and row_kernels
-        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == int(takes)
+        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == _few_rows(model, plan, takes)
     finally:
         pipe.destroy()
 
@@ -112,7 +129,7 @@ def test_the_embedded_model_alone_equals_its_layers(threads):
         out = pipe("The capital of France is", max_new_tokens=12, do_sample=False, ignore_eos=True)[0]
         assert out.generated_length == 12 and len(same) == 12 and all(same), same
         takes = plan.torch_dtype == torch.bfloat16 and ROW_KERNELS_QUANT <= cpu_flags()
-        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == int(takes)
+        assert torch.ops.mii.stack_few_rows(model.model.stack["held"]) == _few_rows(model, plan, takes)
         if threads:
             assert torch.get_num_threads() == threads
     finally:
