@@ -15,27 +15,19 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from mii.kernels import fused_cuda, paged_attention_cuda  # noqa: E402
 from mii.layers.norm import RMSNorm  # noqa: E402
 from mii.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
+from tests.kernels.rounding import assert_rounded_close, values  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape
-    if ref.dtype == torch.float32:
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-        return
-    a, b = ours.float(), ref.float()
     truncated = ref.dtype == torch.bfloat16 and paged_attention_cuda.interpreted()
-    step = 2.0 ** -(7 if ref.dtype == torch.bfloat16 else 10)
-    torch.testing.assert_close(a, b, rtol=3 * step if truncated else step, atol=1e-30)
-    if not truncated:
-        assert (a != b).float().mean() < 0.01
+    assert_rounded_close(ours, ref, steps=3 if truncated else 1)
 
 
 def _values(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * torch.rand(*shape, generator=g) * 4).to(dtype).to(DEVICE)
+    return values(*shape, dtype=dtype, seed=seed, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

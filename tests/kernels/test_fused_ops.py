@@ -10,28 +10,14 @@ import torch.nn.functional as F
 from mii import kernels
 from mii.layers.norm import RMSNorm
 from mii.layers.rotary import _rotate
+from tests.kernels.rounding import assert_rounded_close as _close
+from tests.kernels.rounding import values as _values
 
 
 @pytest.fixture(autouse=True)
 def _built():
     if kernels.load_cpu_kernels() is not None:
         pytest.skip(f"CPU kernels not built: {kernels.load_cpu_kernels()}")
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    """Equal in fp32 up to fp32 rounding; in bf16 within one step of the value, and all but a few exactly."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape
-    if ref.dtype == torch.float32:
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-        return
-    a, b = ours.float(), ref.float()
-    torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-30)
-    assert (a != b).float().mean() < 0.01
-
-
-def _values(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * torch.rand(*shape, generator=g) * 4).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
