@@ -62,6 +62,12 @@ def compile_all(arch: int = 90) -> list[str]:
 
 
 def test_every_triton_kernel_compiles_for_sm90():
+    import inspect
+
+    from triton.compiler import ASTSource
+
+    if "constexprs" not in inspect.signature(ASTSource).parameters:
+        pytest.skip("this Triton's compiler API is older than the one compile_all() calls (ASTSource without constexprs)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (Triton 3.9 warns that its default will change; the kernels set theirs)
     code = "from tests.kernels.test_triton_compiles import compile_all; print('\\n'.join(compile_all()))"
