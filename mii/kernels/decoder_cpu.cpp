@@ -225,9 +225,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
               "decoder_stack: ", P, " parameters and 2 caches per layer expected");
   TORCH_CHECK(x_in.dim() == 2, "decoder_stack: x must be [T, hidden]");
   const int64_t T = x_in.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
-  // a step of a few rows: the layers' forms for raw rows, where they take every layer (decided at the first such
-  // step, and remembered in the handle: -1 not yet, 0 no, 1 yes; no on CPUs without AVX-512)
-  // (2: the layers' own kernels, all mii's, in one parallel region, where few_rows_stack does not take them)
+  // how a step of a few rows runs, decided at the first such step and remembered in the handle: 1, the layers'
+  // forms for raw rows, where they take every layer (bf16 rows on CPUs with AVX-512); else 2, the layers' own
+  // kernels in one parallel region, where they are all mii's (below); else 0, as any step
   const bool few = T >= 1 && T <= kFewRows && few_rows != nullptr;
   if (few && *few_rows < 0) {
 #ifdef MII_BF16_VEC
