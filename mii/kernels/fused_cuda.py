@@ -3,7 +3,7 @@
 Why: eager PyTorch runs 9 kernels for an RMSNorm with its residual add (the add, two casts, the square, the mean,
 the epsilon, the rsqrt, two products), 18 for rotary (for q and for k: a cast, four products, a difference, a sum,
 a concatenation, a cast) and 2 for SiLU·mul: 38 a decoder layer where these take 4. A batch-1 decode step on a GPU
-is bound by how many kernels it runs, not by their arithmetic: the H200 run of `scripts/gpu_check.sh` (session 3)
+is bound by how many kernels it runs, not by their arithmetic: the H200 run of `scripts/gpu_check.sh` (2026-12-04)
 had a ~1B Llama's captured decode step at 2.26 ms, 22% of its weights' HBM time. Each kernel here rounds to the
 model's dtype at the points the eager code does (mii/layers), as `fused_cpu.cpp` does on CPU, so bf16 results
 match eager up to the last bit of an fp32 intermediate.
