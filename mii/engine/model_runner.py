@@ -106,9 +106,10 @@ class ModelRunner:
             for m in model.modules():
                 if hasattr(m, "fused"):
                     m.fused = True
-            for m in model.modules():  # on CPU the decoder layers in one C++ call where the architecture allows
-                if device.type == "cpu" and hasattr(m, "fuse_stack"):
-                    m.fuse_stack()
+            if device.type == "cpu":  # the decoder layers in one C++ call where the architecture allows
+                for m in model.modules():
+                    if hasattr(m, "fuse_stack"):
+                        m.fuse_stack()
         if hasattr(model, "bind_ops"):
             model.bind_ops()
         # the threads of this engine's steps (the plan's), and the stack whose pace may take fewer for its steps on

@@ -55,6 +55,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
 }
 
+// which computation linear() below takes for x @ w.T
+enum class Linear { kPacked, kQuant, kBf16w, kAten };
+Linear linear_kind(const at::Tensor& x, const at::Tensor& w) {
+  if (w.is_mkldnn()) return Linear::kPacked;
+  if (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) return Linear::kQuant;
+  if (w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)) return Linear::kBf16w;
+  return Linear::kAten;
+}
+
 // x @ w.T + b, the way the layer's linear computes it: oneDNN for a prepacked weight, mii::linear_quant for a
 // quantized weight (int4: uint8, int8: int8, both 3-D), mii::linear_bf16w for a bf16 weight under fp32 math (or a
 // tiled one), ATen otherwise. A row-parallel layer (o, down) adds its bias after the matmul (after the all-reduce
@@ -63,12 +72,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool act8, bool bias_after = false) {
   const bool has_bias = b.defined() && b.numel() > 0;
   const c10::optional<at::Tensor> bias = has_bias && !bias_after ? c10::optional<at::Tensor>(b) : c10::nullopt;
-  const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
-  at::Tensor y = w.is_mkldnn() ? packed_linear(x, w, bias)
-                 : quantized ? linear_quant_cpu(x, w, bias, act8)
-                 : w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
-                     ? linear_bf16w_cpu(x, w, bias)
-                     : at::linear(x, w, bias);
+  at::Tensor y;
+  switch (linear_kind(x, w)) {
+    case Linear::kPacked: y = packed_linear(x, w, bias); break;
+    case Linear::kQuant: y = linear_quant_cpu(x, w, bias, act8); break;
+    case Linear::kBf16w: y = linear_bf16w_cpu(x, w, bias); break;
+    case Linear::kAten: y = at::linear(x, w, bias); break;
+  }
   return has_bias && bias_after ? y.add(b) : y;
 }
 
@@ -79,10 +89,8 @@ constexpr int64_t kFewRows = 8;  // rows up to which a step may take few_rows_st
 bool mii_kernels_only(at::TensorList params, const at::Tensor& x, int64_t layers) {
   for (int64_t i = 0; i < layers; ++i)
     for (const int64_t j : {1, 3, 6, 8}) {
-      const at::Tensor& w = params[i * kPerLayer + j];
-      const bool quantized = w.scalar_type() == at::kByte || w.scalar_type() == at::kChar;
-      const bool bf16w = w.dim() == 3 || (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat);
-      if (w.is_mkldnn() || !(quantized || bf16w)) return false;
+      const Linear kind = linear_kind(x, params[i * kPerLayer + j]);
+      if (kind != Linear::kQuant && kind != Linear::kBf16w) return false;
     }
   return true;
 }
