@@ -22,6 +22,9 @@
 //   rounded the same way first. Either way a row's result does not depend on how many rows share its step beyond
 //   fp32 summation order and, for bf16 x, the int16 rounding of decode rows (batch invariance, prefix caching:
 //   differences far below the bf16 result's own rounding).
+// - 5-16 rows of bf16 x on CPUs with AVX512-BF16 (decode steps of 5-16 streams, short prompts; not act8): the
+//   tiles' arithmetic, bit for bit, each 16-row tile's chunk unpacked in registers and taken by every row at once
+//   (rows_tile), where the decode kernels cost a row's share each; from 9 rows not where AMX runs.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -68,6 +71,12 @@ constexpr int64_t kPrefetch = 1024;  // bytes ahead
 // bf16 x: even at 8 rows, ahead from 12 (`[3072, 576]` 16 rows 562-688 → 305-495 µs, 32 rows 1,467-1,531 → 580-629;
 // the int8 LM head `[49152, 576]` 32 rows 14.0-15.1 → 7.6-8.8 ms); behind at 4 (the weights are unpacked for few rows)
 constexpr int64_t kTileMinRows = 9;
+// rows_tile takes 5-16 rows of bf16 x. Measured on a Zen 4 EPYC (2 threads, weights streamed, alternated in one
+// process): a decode step's 120 int4 linears against the decode kernel at 4 rows 1.00-1.15x, 5 rows 1.01-1.10x, 6
+// rows 1.03-1.07x, 7 rows 1.27-1.41x, 8 rows 1.38-1.52x, and against the tiles (vnni_gemm's bf16_tiles: the same
+// arithmetic in the same order) at 9 rows 1.25x, 10 rows 1.18x, 12 rows 1.19x, 14 rows 1.12x, 16 rows 1.08x; the int8
+// LM head [49152, 576] at 5 / 6 / 8 / 12 / 16 rows 1.02 / 1.16 / 1.32 / 1.17 / 1.10x (4 rows 0.99x).
+constexpr int64_t kRowsTileMinRows = 5, kRowsTileMaxRows = 16;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -729,6 +738,32 @@ struct XPairs {
 #endif
   }
 
+  // a chunk of bf16 x (32 columns) -> its 16 pairs; returns its sum. Columns 0-15 and 16-31 widened to 32-bit
+  // lanes: the pairs, and (shifted) their fp32 values
+  static float bf16_chunk(const uint16_t* xc, int32_t* out) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 16)));
+    _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                              _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+  }
+
+#ifdef MII_QBF16
+  // M rows of bf16 x [M, K], contiguous (rows_tile: a few rows, on the calling thread)
+  XPairs(const at::BFloat16* x, int64_t M, int64_t K, int64_t G) : bf16(true), bytes(false) {
+    const int64_t cpg = G / 32;
+    chunks = K / 32, groups = K / G;
+    q = reused<int32_t, 0>(M * K / 2);
+    gsum = reused<float, 1>(M * groups);
+    scale = nullptr;
+    std::fill(gsum, gsum + M * groups, 0.f);
+    const auto* xh = reinterpret_cast<const uint16_t*>(x);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < chunks; ++c)
+        gsum[m * groups + c / cpg] += bf16_chunk(xh + m * K + c * 32, q + m * (K / 2) + c * 16);
+  }
+#endif
+
   // rows >= M: the rows past M are zero (AMX's tiles of 32 rows)
   XPairs(const at::Tensor& x, int64_t G, bool act8, int64_t rows) : bf16(takes_bf16(x, act8)), bytes(act8) {
     const int64_t M = x.size(0), K = x.size(1), cpg = G / 32;
@@ -747,13 +782,8 @@ struct XPairs {
         int32_t* out = &q[m * (K / 2)];
         for (int64_t c = 0; c < chunks; ++c, out += 16) {
           float sum;
-          if (bf16) {  // columns 0-15 and 16-31 widened to 32-bit lanes: the pairs, and (shifted) their fp32 values
-            const uint16_t* xc = xh + m * K + c * 32;
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 16)));
-            _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
-                                                     _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+          if (bf16) {
+            sum = bf16_chunk(xh + m * K + c * 32, out);
           } else {
             const float* xc = xs + m * K + c * 32;
             int16_t v[32];
@@ -848,6 +878,17 @@ inline __m512i int8_lanes(const uint8_t* src, bool bf16) {
   return _mm512_or_si512(_mm512_srli_epi32(flo, 16), _mm512_and_si512(fhi, _mm512_set1_epi32(int32_t(0xFFFF0000))));
 }
 
+// chunk c of 16 int8 rows (8 pairs' groups at blk[p]; nullptr: zero rows) -> out[b], lane n = row n's weights
+// 32c + b (low 16 bits) and 32c + b + 16 (high), as int16 or bf16
+inline void unpack_int8(const uint8_t* const* blk, const Layout& L, int64_t c, bool bf16, __m512i* out) {
+  __m512i r[16];
+  for (int n = 0; n < 16; ++n) {
+    const uint8_t* b = blk[n / 2];
+    r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, bf16) : _mm512_setzero_si512();
+  }
+  mii_vec::transpose16(r, out);
+}
+
 // unpacked tiles: tile t's pair (chunk, b) at data[t * stride + chunk * 16 + b]; its rows' weight scales and
 // offsets (fp32, 0 past the last row) at sw / mw[t * sstride + group * 16 + row]
 struct Tiles {
@@ -914,6 +955,21 @@ inline void int4_quads(__m512i* out) {
     out[j] = _mm512_shuffle_epi8(_mm512_packus_epi16(out[2 * j], out[2 * j + 1]), order);
 }
 
+// the fp16 headers (s_a, s_b, m_a, m_b) of a tile's np pairs at one group (blk[p]) -> its 16 rows' weight scales (sv)
+// and offsets (mv: int4's; zero for int8), zero past the last pair
+inline void tile_headers(const uint8_t* const* blk, int64_t np, bool int4, __m512& sv, __m512& mv) {
+  static const HeaderPerm H;
+  __m512i hdr = _mm512_setzero_si512();  // (halves 4p .. 4p+3: pair p's)
+  for (int p = 0; p < np; ++p) {
+    int64_t h;
+    std::memcpy(&h, blk[p], 8);
+    hdr = _mm512_mask_set1_epi64(hdr, __mmask8(1u << p), h);
+  }
+  sv = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(H.s), hdr)));
+  mv = int4 ? _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(H.m), hdr)))
+            : _mm512_setzero_ps();
+}
+
 // the 16 rows of pairs p0 .. p0+7 (those past L.pairs are zero) -> tile t: the weights' integers (int16, or bf16
 // under bf16 x; int4 as byte quads with `bytes`) with their scales and offsets in sw / mw; `rounded` (AMX,
 // MII_QUANT_TILES=bf16): the weights themselves in bf16 (round_weights), no scales
@@ -924,18 +980,8 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
   for (int64_t g = 0; g < L.groups; ++g) {
     const uint8_t* blk[8];
     for (int p = 0; p < 8; ++p) blk[p] = p < np ? w + (p0 + p) * pair_bytes + g * L.block : nullptr;
-    // the 8 pairs' fp16 headers (s_a, s_b, m_a, m_b: halves 4p .. 4p+3 of one vector; zero past the last pair)
-    // -> row n's scale and offset, 16 rows a vector
-    __m512i hdr = _mm512_setzero_si512();
-    for (int p = 0; p < np; ++p) {
-      int64_t h;
-      std::memcpy(&h, blk[p], 8);
-      hdr = _mm512_mask_set1_epi64(hdr, __mmask8(1u << p), h);
-    }
-    static const HeaderPerm H;
-    const __m512 sv = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(H.s), hdr)));
-    __m512 mv = L.int4 ? _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(H.m), hdr)))
-                       : _mm512_setzero_ps();
+    __m512 sv, mv;
+    tile_headers(blk, np, L.int4, sv, mv);
     // bf16 int4 tiles hold 128 + q (unpack_int4): s (128 + q) + (m - 128 s) = s q + m; m - 128 s is exact in fp32
     // while |m| is within 2^13 of 128 s (a file's groups: |m| ~ 8 s), else rounded at 2^-24 of 128 s
     if (!rounded) {
@@ -951,12 +997,7 @@ void unpack_tile(const uint8_t* w, const Layout& L, int64_t p0, bool bf16, const
         unpack_int4(src, bf16, out);
         if (bytes) int4_quads(out);
       } else {
-        __m512i r[16];
-        for (int n = 0; n < 16; ++n) {
-          const uint8_t* b = blk[n / 2];
-          r[n] = b ? int8_lanes(b + 8 + (n % 2) * L.G + c * 32, bf16) : _mm512_setzero_si512();
-        }
-        mii_vec::transpose16(r, out);
+        unpack_int8(blk, L, c, bf16, out);
       }
 #if defined(MII_QBF16) && defined(MII_AMX)
       if (rounded) round_weights(out, sv, mv, L.int4);  // (bf16 is true: the AMX path)
@@ -1396,6 +1437,120 @@ void vnni_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, float* y,
 }
 #endif  // MII_QVNNI
 
+#ifdef MII_QBF16
+// --- 5-16 rows of bf16 x: each chunk of a 16-row tile unpacked once, in registers, for every row -----------------
+// The decode kernels (int4_rows_pairs, int8_rows_pairs) multiply every row of x by a pair's bytes as they lie (int4:
+// four `vpdpbusd` on x's int16 bytes) and scale each chunk's sums a row at a time: int4 ~9 instructions a row for
+// 128 weights, so that from 4 rows on a decode step's 120 int4 linears grow by ~1.2 ms a row here. Instead, a tile's
+// 16 rows are unpacked once per chunk (unpack_int4 / unpack_int8, the tiles' unpacking: int4 ~100 cycles for 512
+// weights) into 16 word-pair vectors that every row of x takes with one `vdpbf16ps` each (x's pair broadcast), and
+// each group's sums are scaled once for the tile's 16 rows: ~4.5 instructions a row for 128 weights. bf16_block's
+// arithmetic in its order (bf16 x exact, the integers exact, a group's fp32 sums times the weight scale, plus int4's
+// offset times sum(x)), without its tiles held in L2 for many rows. The next tile's bytes are brought into L2 over
+// this one's groups (a tile's 8 pairs are 8 streams pair_bytes apart). Measured: see kRowsTileMinRows.
+template <int R, typename Out>
+__attribute__((noinline)) void rows_tile(const XPairs& X, const Layout& L, const uint8_t* w, int64_t p0, Out* y,
+                                         int64_t N, const uint8_t* next, int64_t next_bytes) {
+  const int64_t K = L.K(), pair_bytes = L.groups * L.block, cpg = L.G / 32, np = std::min<int64_t>(8, L.pairs - p0);
+  Ahead ahead(next, next_bytes, L.groups);
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < L.groups; ++g) {
+    ahead.step();
+    const uint8_t* blk[8];
+    for (int p = 0; p < 8; ++p) blk[p] = p < np ? w + (p0 + p) * pair_bytes + g * L.block : nullptr;
+    __m512 sv, mv;
+    tile_headers(blk, np, L.int4, sv, mv);
+    if (L.int4) mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_set1_ps(128.f), sv));  // the unpacked integers: 128 + q
+    __m512 part[R];  // the group's sums
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cpg; ++c) {
+      const uint8_t* src[8];
+      for (int p = 0; p < 8; ++p) src[p] = blk[p] ? blk[p] + 8 + c * 32 : nullptr;
+      alignas(64) __m512i unpacked[16];
+      if (L.int4) unpack_int4(src, true, unpacked);
+      else unpack_int8(blk, L, c, true, unpacked);
+      const int64_t ch = g * cpg + c;
+#pragma GCC unroll 16
+      for (int b = 0; b < 16; ++b) {
+        const __m512i wv = _mm512_load_si512(unpacked + b);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) dot(part[r], wv, _mm512_set1_epi32(X.q[r * (K / 2) + ch * 16 + b]));
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(part[r], sv, acc[r]);
+      if (L.int4) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(X.gsum[r * X.groups + g]), acc[r]);
+    }
+  }
+  const int64_t n = 2 * p0;
+  const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if constexpr (std::is_same_v<Out, float>) _mm512_mask_storeu_ps(y + r * N + n, valid, acc[r]);
+    else _mm256_mask_storeu_epi16(y + r * N + n, valid, mii_vec::bf16_round(acc[r]));
+  }
+}
+
+// whether vnni_gemm multiplies bf16 x with AMX (a CPU with AMX, MII_AMX not 0)
+inline bool amx_runs() {
+#ifdef MII_AMX
+  return mii_vec::amx_usable();
+#else
+  return false;
+#endif
+}
+
+// R rows of bf16 x through rows_tile, a thread's tiles in turn
+template <int R, typename Out>
+void rows_tiles(const at::BFloat16* x, const uint8_t* w, const Layout& L, Out* y) {
+  const XPairs X(x, R, L.K(), L.G);
+  const int64_t tiles = (L.N() + 15) / 16, tile_bytes = 8 * L.groups * L.block;
+  mii_team::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t next_bytes = t + 1 < e ? std::min<int64_t>(8, L.pairs - 8 * (t + 1)) * tile_bytes / 8 : 0;
+      rows_tile<R>(X, L, w, 8 * t, y, L.N(), w + (t + 1) * tile_bytes, next_bytes);
+    }
+  });
+}
+
+#endif
+
+#ifdef MII_QVNNI
+// 1-8 rows of x, or up to kRowsTileMaxRows of bf16 x: the decode kernels, or from kRowsTileMinRows rows of bf16 x on
+// rows_tile (not with act8; from kTileMinRows rows on, not where AMX runs: its tiles). False where it leaves the
+// rows to vnni_gemm.
+template <typename T, typename Out>
+bool few_rows(const T* x, int64_t M, const uint8_t* w, const Layout& L, Out* y, bool act8) {
+#ifdef MII_QBF16
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if ((!L.int4 || !act8) && M >= kRowsTileMinRows && M <= kRowsTileMaxRows && (M < kTileMinRows || !amx_runs())) {
+      switch (M) {
+        case 5: rows_tiles<5>(x, w, L, y); return true;
+        case 6: rows_tiles<6>(x, w, L, y); return true;
+        case 7: rows_tiles<7>(x, w, L, y); return true;
+        case 8: rows_tiles<8>(x, w, L, y); return true;
+        case 9: rows_tiles<9>(x, w, L, y); return true;
+        case 10: rows_tiles<10>(x, w, L, y); return true;
+        case 11: rows_tiles<11>(x, w, L, y); return true;
+        case 12: rows_tiles<12>(x, w, L, y); return true;
+        case 13: rows_tiles<13>(x, w, L, y); return true;
+        case 14: rows_tiles<14>(x, w, L, y); return true;
+        case 15: rows_tiles<15>(x, w, L, y); return true;
+        default: rows_tiles<16>(x, w, L, y); return true;
+      }
+    }
+  }
+#endif
+  if (M >= kTileMinRows) return false;
+  decode_any(x, M, w, L, y, act8);
+  return true;
+}
+#endif
+
 // Blocks of kGemmPairs row pairs in parallel: dequantize into a per-task buffer, then y[:, block] = x @ block.T.
 void blocked_gemm(const at::Tensor& x, const uint8_t* w, const Layout& L, at::Tensor& y) {
   const int64_t threads = at::get_num_threads(), K = L.K();
@@ -1431,10 +1586,10 @@ bool linear_quant_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::Te
   if (x == nullptr) return true;
   const auto* wp = static_cast<const uint8_t*>(weight.data_ptr());
   if (bias == nullptr) {
-    decode_any(x, M, wp, L, y, act8);
+    few_rows(x, M, wp, L, y, act8);
   } else {
     float* acc = reused<float, 3>(M * N);
-    decode_any(x, M, wp, L, acc, act8);
+    few_rows(x, M, wp, L, acc, act8);
     mii_vec::round_rows(acc, bias, y, M, N);
   }
   return true;
@@ -1455,13 +1610,12 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 #ifdef MII_QVNNI
   // 1-8 bf16 rows without a bias (decode): y written in bf16 by the kernel, no fp32 copy of x or y (the LM head of
   // 2-8 streams: 8 streams' int4 steps ~1% faster, alternated; 4 even)
-  if (M >= 1 && M < kTileMinRows && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
+  if (M >= 1 && M <= kRowsTileMaxRows && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
       && !(bias.has_value() && bias->defined())) {
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     at::Tensor out = at::empty(sizes, x.options());
-    decode_any(x2.data_ptr<at::BFloat16>(), M, wp, L, out.data_ptr<at::BFloat16>(), act8);
-    return out;
+    if (few_rows(x2.data_ptr<at::BFloat16>(), M, wp, L, out.data_ptr<at::BFloat16>(), act8)) return out;
   }
 #endif
 #ifdef MII_QBF16
@@ -1478,15 +1632,16 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   auto y = at::empty({M, N}, x2.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return linear_output(y, x, bias);
 #ifdef MII_QVNNI
-  if (M >= kTileMinRows) {  // bf16 x is read as it is
-    vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
+  // few rows (with a bias, or fp32 x): bf16 x read as it is, no fp32 copy (~0.3 µs a row)
+  if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()) {
+    if (M <= kRowsTileMaxRows && few_rows(x2.data_ptr<at::BFloat16>(), M, wp, L, y.data_ptr<float>(), act8))
+      return linear_output(y, x, bias);
+  } else if (M < kTileMinRows) {
+    few_rows(linear_input(x2, K).data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
   }
-  // 1-8 rows (with a bias, or fp32 x): bf16 x read as it is, no fp32 copy (~0.3 µs a row)
-  if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous())
-    decode_any(x2.data_ptr<at::BFloat16>(), M, wp, L, y.data_ptr<float>(), act8);
-  else
-    decode_any(linear_input(x2, K).data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
+  // bf16 x is read as it is
+  vnni_gemm(x2.scalar_type() == at::kBFloat16 ? x2.contiguous() : linear_input(x2, K), wp, L, y.data_ptr<float>(), act8);
   return linear_output(y, x, bias);
 #else
   const at::Tensor xf = linear_input(x2, K);

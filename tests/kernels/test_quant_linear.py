@@ -105,7 +105,7 @@ def test_int8_activations(n, k, scheme, group):
             assert not torch.equal(rounded, x) and not torch.allclose(out, quant_linear(x, w, b), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("m", [1, 40, 70])
+@pytest.mark.parametrize("m", [1, 5, 12, 40, 70])
 def test_bf16_rows_multiply_the_exact_weights(m):
     """bf16 x against int4 weights (the plan's case on native-bf16 CPUs): the weights the file holds, never rounded
     to bf16. Rows whose products cancel out make the check sharp: rounding the weights to bf16 would leave an error
@@ -140,7 +140,7 @@ def test_a_row_does_not_depend_on_its_block(scheme, group, dtype):
     w = _weight(100, 576, scheme, group, g)
     x = torch.randn(40, 576, generator=g).to(dtype)
     full = quant_linear(x, w, None)
-    exact = {"avx512_vnni", "avx512_vbmi"} <= cpu_flags()
+    exact = {"avx512_vnni", "avx512vbmi"} <= cpu_flags()  # (cpuinfo spells VBMI without "_")
     for m in (9, 10, 11, 13, 17, 33):
         part = quant_linear(x[:m], w, None)
         if exact:
@@ -185,16 +185,25 @@ def test_tile_rows_written_in_bf16_round_as_torch(scheme, group):
     assert torch.equal(quant_linear(x, w, None), quant_linear(x.view(40, 576), w, None).view(2, 20, 200))
 
 
+def _few_row_tiles() -> bool:
+    """Whether 5-16 bf16 rows of x against int4 weights take the tiles' arithmetic (int4_rows_tile): CPUs with
+    AVX512-BF16, VNNI and VBMI."""
+    return {"avx512_bf16", "avx512_vnni", "avx512vbmi"} <= cpu_flags()
+
+
 def test_bf16_rows_in_and_out_round_as_torch():
-    """Decode rows of bf16 x (up to 8: the streaming kernel on every CPU): widened and rounded (bias added first)
-    by the kernel itself, not by Tensor.to: the same bits as the fp32 call's result rounded by torch. A single row
-    without a bias is written in bf16 by the kernel directly (any leading shape, int8 activations too)."""
+    """Decode rows of bf16 x (up to 8: the streaming kernels, but for 5-8 rows on CPUs with the few-row tiles):
+    widened and rounded (bias added first) by the kernel itself, not by Tensor.to: the same bits as the fp32 call's
+    result rounded by torch. A single row without a bias is written in bf16 by the kernel directly (any
+    leading shape, int8 activations too)."""
     kernels.load_cpu_kernels()
     g = torch.Generator().manual_seed(9)
     for n, k, scheme, group in CASES[:5]:
         w = _weight(n, k, scheme, group, g)
         b = torch.randn(n, generator=g)
         for m in (1, 4, 5, 8):
+            if m >= 5 and _few_row_tiles():
+                continue  # (test_few_bf16_rows_take_the_tiles_arithmetic)
             x = torch.randn(m, k, generator=g).bfloat16()
             for bias in (None, b):
                 out = quant_linear(x, w, bias)
@@ -205,6 +214,35 @@ def test_bf16_rows_in_and_out_round_as_torch():
             out = quant_linear(x, w, None, act8)
             assert out.shape == (1, 1, n) and out.dtype == torch.bfloat16
             assert torch.equal(out, quant_linear(x.float(), w, None, act8).bfloat16())
+
+
+@pytest.mark.parametrize("n,k,scheme,group", [(64, 96, "int4", 32), (98, 384, "int4", 64), (34, 1024, "int4", 128),
+                                              (576, 1536, "int4", 32), (130, 256, "int8", 32), (66, 576, "int8", None)])
+def test_few_bf16_rows_take_the_tiles_arithmetic(n, k, scheme, group, monkeypatch):
+    """5-16 bf16 rows of x (decode steps of 5-16 streams, short prompts): each 16-row tile's chunks unpacked once and
+    taken by every row (rows_tile), where the decode kernels multiplied a row at a time. The tiles' arithmetic in
+    their order (bf16 x exact, a group's sums scaled once): bit for bit the rows of a 40-row call through the tiles
+    (MII_AMX=0 where the CPU has AMX), whatever the rows, partial tiles of 16 columns, groups of several chunks (int8
+    per output channel: one group of K) and a bias; written in bf16 as linear_output rounds; within bf16-level
+    rounding of the exact product. 1-4 rows keep the decode kernels."""
+    kernels.load_cpu_kernels()
+    if not _few_row_tiles():
+        pytest.skip("the few-row tiles need AVX512-BF16, VNNI and VBMI")
+    monkeypatch.setenv("MII_AMX", "0")
+    g = torch.Generator().manual_seed(n + k)
+    w = _weight(n, k, scheme, group, g)
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(40, k, generator=g).bfloat16()
+    full, full_b = quant_linear(x, w, None), quant_linear(x, w, b)
+    _check(full, x, w, None, 2 ** -7)
+    for m in range(1, 17):
+        part = quant_linear(x[:m], w, None)
+        if m >= 5:
+            assert torch.equal(part, full[:m]), m
+            assert torch.equal(quant_linear(x[:m], w, b), full_b[:m]), m
+            assert torch.equal(part, quant_linear(x[:m], w, torch.zeros_like(b))), m
+            assert torch.equal(quant_linear(x[m - 5:m], w, None), full[m - 5:m]), m  # rows are rows, wherever
+        _check(part, x[:m], w, None, 2 ** -7)
 
 
 @pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None)])
