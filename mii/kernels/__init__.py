@@ -223,6 +223,7 @@ def _build_lock(build: Path):
 
 
 USED_MARK = "used"  # touched by every process that loads a build: its time is the build's last use
+LIBRARY = "mii_cpu_kernels.so"  # what a build folder holds once built (cpp_extension names it after the extension)
 UNUSED_DAYS = 30
 
 
@@ -261,6 +262,22 @@ def cpu_kernels_origin() -> str:
     return _state.get("how", "")
 
 
+def _load_built(library: Path) -> bool:
+    """Load a build folder's library as it is, if it has one. The folder's key is the sources' content (build_dir),
+    so its library is theirs whatever their files' times: a reinstall of the same mii touches every source, and
+    cpp_extension (ninja) then compiled them all again at the next start (30-40 s, shown as a load). A library that
+    does not load (a link cut short) is removed, to be built again."""
+    if not library.exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+        return True
+    except OSError as e:
+        log.warning("mii: the CPU kernels in %s did not load (%s); building them again", library.parent, e)
+        library.unlink(missing_ok=True)
+        return False
+
+
 def load_cpu_kernels() -> Optional[str]:
     """Build (first time on this machine) or load the CPU kernels; returns None when ready, else the reason."""
     with _lock:
@@ -275,14 +292,14 @@ def load_cpu_kernels() -> Optional[str]:
             build.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
             with _build_lock(build):
-                built = not (build / "mii_cpu_kernels.so").exists()
+                built = not _load_built(build / LIBRARY)
                 if built:
                     log.info("mii: building the CPU kernels (once per machine, under a minute) in %s", build)
-                isa = cpu_isa()  # (MII_CPU_ISA: as for a lesser CPU; its flags are in the build directory's key)
-                cflags = ["-O3", "-march=native", *(CPU_ISAS[isa][1] if isa else []), "-ffast-math", "-fopenmp"]
-                cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                                   build_directory=str(build), extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                                   is_python_module=False, verbose=False)
+                    isa = cpu_isa()  # (MII_CPU_ISA: as for a lesser CPU; its flags are in the folder's key)
+                    cflags = ["-O3", "-march=native", *(CPU_ISAS[isa][1] if isa else []), "-ffast-math", "-fopenmp"]
+                    cpp_extension.load(name="mii_cpu_kernels", sources=[str(p) for p in _SOURCES],
+                                       build_directory=str(build), extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                                       is_python_module=False, verbose=False)
             _state["error"] = None
             _state["how"] = (f"{'built' if built else 'loaded'} in {time.perf_counter() - start:.1f} s "
                              f"{'into' if built else 'from'} {build}")

@@ -1,10 +1,12 @@
 """The engine on mii's CPU kernels (paged attention in place, fused norm/rotary/SiLU·mul) against the same
 engine on the torch reference backends (MII_KERNELS=0): fp32 against transformers on both, and bf16 kernels
 close to bf16 torch in vLLM's `check_logprobs_close` sense."""
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -146,12 +148,43 @@ def test_a_start_after_an_interrupted_build_does_not_hang():
     assert not left
 
 
+def test_a_reinstall_loads_the_build_without_compiling_again():
+    """A build folder is keyed by its sources' content (build_dir). A reinstall of the same mii gives every source a
+    new time, and cpp_extension's ninja compiled them all again at the next start (30-40 s, reported as a load).
+    The folder's library now loads as it is: with its objects and library older than every source (a reinstall's
+    picture), a new process loads it, compiles nothing and says it loaded them."""
+    if kernels.load_cpu_kernels() is not None:
+        pytest.skip(f"CPU kernels not built: {kernels.load_cpu_kernels()}")
+    build = kernels.build_dir()
+    files = [p for p in build.iterdir() if p.suffix in (".o", ".so")]
+    assert build / kernels.LIBRARY in files and len(files) > 1
+    year_ago = int(time.time()) - 365 * 86400
+    for p in files:
+        os.utime(p, (year_ago, year_ago))
+    run = subprocess.run([sys.executable, "-c", "from mii import kernels as k; print(k.load_cpu_kernels()); "
+                          "print(k.cpu_kernels_origin()); import torch; print(hasattr(torch.ops.mii, 'linear_quant'))"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    error, origin, registered = run.stdout.strip().splitlines()[-3:]
+    assert error == "None" and origin.startswith("loaded in ") and registered == "True", run.stdout
+    assert [p.stat().st_mtime for p in files] == [year_ago] * len(files)  # nothing compiled or linked again
+
+
+def test_a_library_that_does_not_load_is_built_again(tmp_path, caplog):
+    """A build folder whose library does not load (a link cut short) loses it, so that the build runs again."""
+    library = tmp_path / kernels.LIBRARY
+    library.write_bytes(b"\x7fELF cut short")
+    with caplog.at_level(logging.WARNING, logger="mii"):
+        assert kernels._load_built(library) is False
+    assert not library.exists() and "did not load" in caplog.text
+    assert kernels._load_built(library) is False  # (none there: nothing to load)
+
+
 def test_kernel_builds_unused_for_a_month_are_removed(tmp_path):
     """Every mii upgrade (its kernel sources), torch or CPU makes a new build folder. A loaded build marks its use;
     the builds beside it that nobody loaded for 30 days go, while a recently used one, a fresh one without the mark
     (from before it) and one that another process holds stay."""
     import fcntl
-    import time
 
     root = tmp_path / "kernels"
     month = time.time() - 31 * 86400
