@@ -222,6 +222,51 @@ def prefill(model, prompt_len: int = 4096, n: int = 8, budget: int = 768) -> dic
         pipe.destroy()
 
 
+DECODE_TILES = [dict(BLOCK_N=64, num_warps=4), dict(BLOCK_N=64, num_warps=8), dict(BLOCK_N=32, num_warps=4),
+                dict(BLOCK_N=32, num_warps=8)]
+
+
+def attention_tiles(device: str = "cuda", seqs=(1, 64), context: int = 2048, head_dims=(64, 128),
+                    heads: int = 32, kv_heads: int = 8, block_size: int = 32, timer=None) -> dict:
+    """The decode attention kernel's time for each of DECODE_TILES (the first is tile_config's), bf16, per head size
+    and batch: the sm90 compile showed head size 128 spilling at BLOCK_N 64 / 4 warps (255 registers and 64 bytes
+    of stack) where 8 warps or BLOCK_N 32 do not; the results say which to keep. Every config's output is checked
+    against the first's."""
+    from mii.kernels import paged_attention_cuda as pac
+
+    timer = timer or cuda_time
+    chosen, out = pac.tile_config, {}
+    g = torch.Generator(device="cpu").manual_seed(3)
+    try:
+        for d in head_dims:
+            for s in seqs:
+                blocks_per_seq = context // block_size
+                k_cache, v_cache = (torch.randn(s * blocks_per_seq, kv_heads, block_size, d, generator=g)
+                                    .to(device, torch.bfloat16) for _ in range(2))
+                q = torch.randn(s, heads, d, generator=g).to(device, torch.bfloat16)
+                tables = torch.randperm(s * blocks_per_seq, generator=g).view(s, blocks_per_seq).to(device,
+                                                                                                   torch.int32)
+                lens = torch.full((s,), context, dtype=torch.int32, device=device)
+                starts = torch.arange(s + 1, dtype=torch.int32, device=device)
+                first, times = None, []
+                for tiles in DECODE_TILES:
+                    pac.tile_config = lambda group, decode, head_dim, tiles=tiles: (
+                        dict(chosen(group, decode, head_dim), **tiles) if decode else chosen(group, decode, head_dim))
+                    run = lambda: pac.paged_attention(q, k_cache, v_cache, tables, lens, starts, 1, s, s, d ** -0.5)
+                    y = run()
+                    if first is None:
+                        first = y
+                    torch.testing.assert_close(y.float(), first.float(), rtol=2e-2, atol=2e-2)
+                    times.append(round(timer(run) * 1e6, 1))
+                kv_bytes = 2 * s * context * kv_heads * d * 2
+                out[f"d{d} seqs{s}"] = {"us": dict(zip([f"N{t['BLOCK_N']}w{t['num_warps']}" for t in DECODE_TILES],
+                                                       times)),
+                                        "kv_gb_per_s_best": round(kv_bytes / (min(times) * 1e-6) / 1e9, 1)}
+    finally:
+        pac.tile_config = chosen
+    return {"decode_attention": out, "context": context}
+
+
 # --- stage 2: SmolLM2 -----------------------------------------------------------------------------------------------
 
 def w64_mii(budget: int = 768) -> dict:
@@ -380,6 +425,7 @@ def main():
             part("1B decode b1 eager", decode_b1, path, False, need=30)
             part("1B prefill 4096 budget 768", prefill, path, need=25)
             part("1B prefill 4096 budget 8192", prefill, path, budget=8192, need=25)
+        part("decode attention tiles", attention_tiles, need=20)
         part("tests: families fp32 on cuda", run_pytest, "families", ["tests/models"], 200, need=40)
         part("tests: families bf16/fp16 on cuda", run_pytest, "half", ["tests/gpu"], 120, need=30)
     if args.stage in ("all", "2"):
