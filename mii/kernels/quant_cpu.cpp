@@ -24,7 +24,7 @@
 //   differences far below the bf16 result's own rounding).
 // - 5-16 rows of bf16 x on CPUs with AVX512-BF16 (decode steps of 5-16 streams, short prompts; not act8): the
 //   tiles' arithmetic, bit for bit, each 16-row tile's chunk unpacked in registers and taken by every row at once
-//   (rows_tile), where the decode kernels cost a row's share each; from 9 rows not where AMX runs.
+//   (rows_tile), where the decode kernels cost a row's share each; not where AMX runs.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -1521,13 +1521,13 @@ void rows_tiles(const at::BFloat16* x, const uint8_t* w, const Layout& L, Out* y
 
 #ifdef MII_QVNNI
 // 1-8 rows of x, or up to kRowsTileMaxRows of bf16 x: the decode kernels, or from kRowsTileMinRows rows of bf16 x on
-// rows_tile (not with act8; from kTileMinRows rows on, not where AMX runs: its tiles). False where it leaves the
-// rows to vnni_gemm.
+// rows_tile (not with act8, nor where AMX runs: the AMX Xeon keeps the decode kernels up to 8 rows and AMX's tiles
+// from 9, as measured there; rows_tile was not). False where it leaves the rows to vnni_gemm.
 template <typename T, typename Out>
 bool few_rows(const T* x, int64_t M, const uint8_t* w, const Layout& L, Out* y, bool act8) {
 #ifdef MII_QBF16
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if ((!L.int4 || !act8) && M >= kRowsTileMinRows && M <= kRowsTileMaxRows && (M < kTileMinRows || !amx_runs())) {
+    if ((!L.int4 || !act8) && M >= kRowsTileMinRows && M <= kRowsTileMaxRows && !amx_runs()) {
       switch (M) {
         case 5: rows_tiles<5>(x, w, L, y); return true;
         case 6: rows_tiles<6>(x, w, L, y); return true;

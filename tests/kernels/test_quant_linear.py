@@ -186,13 +186,15 @@ def test_tile_rows_written_in_bf16_round_as_torch(scheme, group):
 
 
 def _few_row_tiles() -> bool:
-    """Whether 5-16 bf16 rows of x against int4 weights take the tiles' arithmetic (int4_rows_tile): CPUs with
-    AVX512-BF16, VNNI and VBMI."""
-    return {"avx512_bf16", "avx512_vnni", "avx512vbmi"} <= cpu_flags()
+    """Whether 5-16 bf16 rows of x take the tiles' arithmetic (rows_tile): CPUs with AVX512-BF16, VNNI and VBMI,
+    where AMX does not run (no AMX, or MII_AMX=0)."""
+    flags = cpu_flags()
+    amx = "amx_bf16" in flags and os.environ.get("MII_AMX") != "0"
+    return {"avx512_bf16", "avx512_vnni", "avx512vbmi"} <= flags and not amx
 
 
 def test_bf16_rows_in_and_out_round_as_torch():
-    """Decode rows of bf16 x (up to 8: the streaming kernels, but for 5-8 rows on CPUs with the few-row tiles):
+    """Decode rows of bf16 x (up to 8: the streaming kernels, but for 5-8 rows where the few-row tiles run):
     widened and rounded (bias added first) by the kernel itself, not by Tensor.to: the same bits as the fp32 call's
     result rounded by torch. A single row without a bias is written in bf16 by the kernel directly (any
     leading shape, int8 activations too)."""
@@ -226,9 +228,9 @@ def test_few_bf16_rows_take_the_tiles_arithmetic(n, k, scheme, group, monkeypatc
     per output channel: one group of K) and a bias; written in bf16 as linear_output rounds; within bf16-level
     rounding of the exact product. 1-4 rows keep the decode kernels."""
     kernels.load_cpu_kernels()
+    monkeypatch.setenv("MII_AMX", "0")
     if not _few_row_tiles():
         pytest.skip("the few-row tiles need AVX512-BF16, VNNI and VBMI")
-    monkeypatch.setenv("MII_AMX", "0")
     g = torch.Generator().manual_seed(n + k)
     w = _weight(n, k, scheme, group, g)
     b = torch.randn(n, generator=g).bfloat16()
