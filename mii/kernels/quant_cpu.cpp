@@ -1608,8 +1608,8 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
 #ifdef MII_QVNNI
-  // 1-8 bf16 rows without a bias (decode): y written in bf16 by the kernel, no fp32 copy of x or y (the LM head of
-  // 2-8 streams: 8 streams' int4 steps ~1% faster, alternated; 4 even)
+  // 1-8 bf16 rows without a bias (decode; up to kRowsTileMaxRows through rows_tile): y written in bf16 by the kernel,
+  // no fp32 copy of x or y (the LM head of 2-8 streams: 8 streams' int4 steps ~1% faster, alternated; 4 even)
   if (M >= 1 && M <= kRowsTileMaxRows && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
       && !(bias.has_value() && bias->defined())) {
     auto sizes = x.sizes().vec();
