@@ -20,7 +20,7 @@ import torch
 import mii
 from bench.workloads import copy_gbps, matmul_gflops
 from mii.layers import quant
-from mii.layers.linear import LinearBase, linear_op
+from mii.layers.linear import LinearBase, bf16w_rows, linear_op
 
 
 def in_width(w: torch.Tensor) -> int:
@@ -28,9 +28,7 @@ def in_width(w: torch.Tensor) -> int:
     or k-pair tiles (mii/layers/quant.py, mii/layers/linear.py); 0 where the weight is elsewhere (oneDNN's copy)."""
     if quant.scheme(w) is not None:
         return quant.in_features(w)
-    if w.numel() == 0:
-        return 0
-    return w.shape[1] if w.dim() == 2 else w.shape[1] * (2 if w.shape[-1] == 32 else 8)
+    return w.numel() // bf16w_rows(w) if w.numel() else 0
 
 
 def linears_and_inputs(pipe) -> tuple[list, dict, int]:

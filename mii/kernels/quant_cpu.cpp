@@ -1520,34 +1520,45 @@ void rows_tiles(const at::BFloat16* x, const uint8_t* w, const Layout& L, Out* y
 #endif
 
 #ifdef MII_QVNNI
-// 1-8 rows of x, or up to kRowsTileMaxRows of bf16 x: the decode kernels, or from kRowsTileMinRows rows of bf16 x on
-// rows_tile (not with act8, nor where AMX runs: the AMX Xeon keeps the decode kernels up to 8 rows and AMX's tiles
-// from 9, as measured there; rows_tile was not). False where it leaves the rows to vnni_gemm.
+// whether rows_tile takes M rows of bf16 x: from kRowsTileMinRows rows, not with act8, nor where AMX runs (the AMX
+// Xeon keeps the decode kernels up to 8 rows and AMX's tiles from 9, as measured there; rows_tile was not)
+inline bool rows_tile_takes(int64_t M, const Layout& L, bool act8) {
+#ifdef MII_QBF16
+  return (!L.int4 || !act8) && M >= kRowsTileMinRows && M <= kRowsTileMaxRows && !amx_runs();
+#else
+  return false;
+#endif
+}
+
+// whether few_rows takes M rows of bf16 x (else vnni_gemm does)
+inline bool few_rows_take(int64_t M, const Layout& L, bool act8) {
+  return (M >= 1 && M < kTileMinRows) || rows_tile_takes(M, L, act8);
+}
+
+// rows of x few_rows_take takes (fp32 x: 1-8): rows_tile, or the decode kernels
 template <typename T, typename Out>
-bool few_rows(const T* x, int64_t M, const uint8_t* w, const Layout& L, Out* y, bool act8) {
+void few_rows(const T* x, int64_t M, const uint8_t* w, const Layout& L, Out* y, bool act8) {
 #ifdef MII_QBF16
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if ((!L.int4 || !act8) && M >= kRowsTileMinRows && M <= kRowsTileMaxRows && !amx_runs()) {
+    if (rows_tile_takes(M, L, act8)) {
       switch (M) {
-        case 5: rows_tiles<5>(x, w, L, y); return true;
-        case 6: rows_tiles<6>(x, w, L, y); return true;
-        case 7: rows_tiles<7>(x, w, L, y); return true;
-        case 8: rows_tiles<8>(x, w, L, y); return true;
-        case 9: rows_tiles<9>(x, w, L, y); return true;
-        case 10: rows_tiles<10>(x, w, L, y); return true;
-        case 11: rows_tiles<11>(x, w, L, y); return true;
-        case 12: rows_tiles<12>(x, w, L, y); return true;
-        case 13: rows_tiles<13>(x, w, L, y); return true;
-        case 14: rows_tiles<14>(x, w, L, y); return true;
-        case 15: rows_tiles<15>(x, w, L, y); return true;
-        default: rows_tiles<16>(x, w, L, y); return true;
+        case 5: return rows_tiles<5>(x, w, L, y);
+        case 6: return rows_tiles<6>(x, w, L, y);
+        case 7: return rows_tiles<7>(x, w, L, y);
+        case 8: return rows_tiles<8>(x, w, L, y);
+        case 9: return rows_tiles<9>(x, w, L, y);
+        case 10: return rows_tiles<10>(x, w, L, y);
+        case 11: return rows_tiles<11>(x, w, L, y);
+        case 12: return rows_tiles<12>(x, w, L, y);
+        case 13: return rows_tiles<13>(x, w, L, y);
+        case 14: return rows_tiles<14>(x, w, L, y);
+        case 15: return rows_tiles<15>(x, w, L, y);
+        default: return rows_tiles<16>(x, w, L, y);
       }
     }
   }
 #endif
-  if (M >= kTileMinRows) return false;
   decode_any(x, M, w, L, y, act8);
-  return true;
 }
 #endif
 
@@ -1610,12 +1621,13 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 #ifdef MII_QVNNI
   // 1-8 bf16 rows without a bias (decode; up to kRowsTileMaxRows through rows_tile): y written in bf16 by the kernel,
   // no fp32 copy of x or y (the LM head of 2-8 streams: 8 streams' int4 steps ~1% faster, alternated; 4 even)
-  if (M >= 1 && M <= kRowsTileMaxRows && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
+  if (few_rows_take(M, L, act8) && N > 0 && x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()
       && !(bias.has_value() && bias->defined())) {
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     at::Tensor out = at::empty(sizes, x.options());
-    if (few_rows(x2.data_ptr<at::BFloat16>(), M, wp, L, out.data_ptr<at::BFloat16>(), act8)) return out;
+    few_rows(x2.data_ptr<at::BFloat16>(), M, wp, L, out.data_ptr<at::BFloat16>(), act8);
+    return out;
   }
 #endif
 #ifdef MII_QBF16
@@ -1634,8 +1646,10 @@ at::Tensor linear_quant_cpu(const at::Tensor& x, const at::Tensor& weight, const
 #ifdef MII_QVNNI
   // few rows (with a bias, or fp32 x): bf16 x read as it is, no fp32 copy (~0.3 µs a row)
   if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()) {
-    if (M <= kRowsTileMaxRows && few_rows(x2.data_ptr<at::BFloat16>(), M, wp, L, y.data_ptr<float>(), act8))
+    if (few_rows_take(M, L, act8)) {
+      few_rows(x2.data_ptr<at::BFloat16>(), M, wp, L, y.data_ptr<float>(), act8);
       return linear_output(y, x, bias);
+    }
   } else if (M < kTileMinRows) {
     few_rows(linear_input(x2, K).data_ptr<float>(), M, wp, L, y.data_ptr<float>(), act8);
     return linear_output(y, x, bias);
