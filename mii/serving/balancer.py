@@ -144,6 +144,7 @@ class LoadBalancer:
                 yield reply
         except MIIError as e:
             self.metrics.errors.labels(_error_kind(e)).inc()
+            e.counted = True  # (the HTTP gateway's error handlers do not count it again)
             raise
         finally:
             self.in_flight -= 1

@@ -31,9 +31,13 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     app = FastAPI(title="mii", summary="MII's REST gateway and an OpenAI-compatible API", docs_url="/docs",
                   redoc_url=None)
     app.state.lb, app.state.model = lb, model
-    install_error_handlers(app)
+
+    def count(kind: str) -> None:  # a request refused here, before the load balancer (which counts its own)
+        lb.metrics.errors.labels(kind).inc()
+
+    install_error_handlers(app, count)
     install_openapi(app)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, count=count)
     if api_key:  # added last: it runs first, so a request without the key is refused before its body is read
         app.add_middleware(HTTPKeyCheck, api_key=api_key, open_paths=open_http_paths(metrics_need_key, chat_ui))
 

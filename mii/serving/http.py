@@ -10,7 +10,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,6 +54,7 @@ class APIError(Exception):
                  code: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.counted = False  # already in mii_request_errors_total (the load balancer counted its mii error)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -65,9 +66,14 @@ class APIError(Exception):
 
 def api_error(e: Exception, renames: Optional[dict] = None) -> APIError:
     """The HTTP error for a mii error (fields renamed to the API's names, e.g. max_new_tokens → max_tokens)."""
-    renames = renames or {}
     if isinstance(e, APIError):
         return e
+    err = _error_for(e, renames or {})
+    err.counted = getattr(e, "counted", False)
+    return err
+
+
+def _error_for(e: Exception, renames: dict) -> APIError:
     if isinstance(e, errors.PromptTooLongError):
         return APIError(400, str(e)[len(e.field) + 2:], param="prompt", code="context_length_exceeded")
     if isinstance(e, errors.ValidationError):
@@ -95,34 +101,46 @@ _STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not
                  413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
-def install_error_handlers(app: FastAPI) -> None:
+# the `kind` of mii_request_errors_total an HTTP error counts under (the load balancer's kinds: mii.serving.balancer);
+# none for a refused key (401), a route or model that is not here (404) and a wrong method (405)
+ERROR_KINDS = {400: "invalid", 413: "invalid", 429: "overloaded", 500: "internal", 503: "unavailable", 504: "timeout"}
+
+
+def install_error_handlers(app: FastAPI, count: Optional[Callable[[str], None]] = None) -> None:
     """Every error of `app` in OpenAI's shape: ours, FastAPI's validation (422 → 400 naming the field), Starlette's
-    own (404 no such route, 405 wrong method, 400 unreadable body) and any exception a route did not expect."""
+    own (404 no such route, 405 wrong method, 400 unreadable body) and any exception a route did not expect.
+    `count(kind)`: told of each error answered here that the load balancer did not count (a request refused before
+    it reached a replica), by ERROR_KINDS."""
+
+    def answer(error: APIError):
+        if count is not None and not error.counted and error.status in ERROR_KINDS:
+            count(ERROR_KINDS[error.status])
+        return error.response()
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return e.response()
+        return answer(e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         err = e.errors()[0]
         if err.get("type") == "json_invalid":
-            return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json").response()
+            return answer(APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json"))
         name = field_name(err.get("loc", ()))
-        return APIError(400, f"{name}: {err.get('msg')}", param=name).response()
+        return answer(APIError(400, f"{name}: {err.get('msg')}", param=name))
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
         message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
                    f"{request.url.path}"}.get(e.status_code, str(e.detail))
-        error = APIError(e.status_code, message, type=_STATUS_TYPES.get(e.status_code, "invalid_request_error"))
-        response = error.response()
+        response = answer(APIError(e.status_code, message,
+                                   type=_STATUS_TYPES.get(e.status_code, "invalid_request_error")))
         response.headers.update(e.headers or {})
         return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
-        return internal_error(e).response()
+        return answer(internal_error(e))
 
 
 def _no_constant(name: str):
@@ -165,8 +183,8 @@ async def read_json(request: Request) -> dict:
 class BodyLimit:
     """Refuse request bodies over `max_bytes` with 413: at once from Content-Length, else while it is read."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, count: Optional[Callable[[str], None]] = None):
+        self.app, self.max_bytes, self.count = app, max_bytes, count
 
     def _error(self) -> APIError:
         return APIError(413, f"the request body is larger than {self.max_bytes} bytes (max_request_bytes)",
@@ -177,6 +195,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
+            if self.count is not None:  # (answered here, before the app's handlers)
+                self.count(ERROR_KINDS[413])
             return await self._error().response()(scope, receive, send)
         seen = 0
 

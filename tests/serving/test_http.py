@@ -156,6 +156,32 @@ def test_bad_bodies_get_400_in_openai_shape(base_url, deployment):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_every_refused_request_is_counted_once(base_url, deployment):
+    """mii_request_errors_total{kind="invalid"} counts each 400/413 once, whether the gateway refused the request
+    (its body, a field the API does not take, one over the size limit) or a replica did (its arguments, checked once
+    there); a 404 or 405 is not a failed request and is not counted."""
+    def invalid() -> float:
+        return metric(httpx.get(f"{base_url}/metrics", timeout=30).text, "mii_request_errors_total", kind="invalid")
+
+    url, chat = f"{base_url}/v1/completions", f"{base_url}/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    before = invalid()
+    _error(httpx.post(url, content=b'{"prompt": ', timeout=10), 400)  # malformed JSON
+    _error(httpx.post(url, json={"prompt": 5}, timeout=10), 400, "prompt")  # the gateway's schema
+    _error(httpx.post(chat, json={"messages": user, "logprobs": True, "top_logprobs": 21}, timeout=10), 400)
+    _error(httpx.post(chat, json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, timeout=10), 400)
+    _error(httpx.post(url, json={"prompt": "x", "max_tokens": 2, "min_p": 2.0}, timeout=60), 400)  # a replica's check
+    _error(httpx.post(url, json={"prompt": "hi " * 2000, "max_tokens": 2}, timeout=60), 400)  # over the context
+    big = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'
+    _error(httpx.post(url, content=big, timeout=30), 413)  # from its Content-Length, before the app
+    _error(httpx.post(url, content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]), timeout=30), 413)
+    assert invalid() - before == 8
+    _error(httpx.post(url, json={"prompt": "x", "model": "no-such-model"}, timeout=10), 404)
+    _error(httpx.get(url, timeout=10), 405)
+    assert invalid() - before == 8
+
+
 def test_internal_errors_say_only_that(caplog):
     """A route that fails in a way nobody planned answers 500 in OpenAI's shape without the exception's text (the
     log has it), before a stream starts and inside one: a real uvicorn server on a socket, a balancer that fails."""
@@ -165,7 +191,11 @@ def test_internal_errors_say_only_that(caplog):
     from mii.serving.gateway import build_app
     from mii.serving.http import ServedModel
 
+    from mii.serving.metrics import Metrics
+
     class Failing:
+        metrics = Metrics()
+
         async def generate(self, request):
             raise RuntimeError("secret detail")
 
@@ -201,6 +231,8 @@ def test_internal_errors_say_only_that(caplog):
     for r in (whole, mii):
         error = _error(r, 500)
         assert error["type"] == "internal_error" and "secret" not in r.text
+    # the two answered by the error handler are counted; the one inside a stream, whose 200 had gone, is logged
+    assert Failing.metrics.errors.labels("internal")._value.get() == 2
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "internal_error"
     assert "secret" not in streamed.text and "secret detail" in caplog.text
