@@ -9,6 +9,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import threading
 import weakref
 from typing import Iterator, Optional, Union
 
@@ -31,8 +32,10 @@ class MIIPipeline:
     processes): it schedules, samples and returns results. Under torchrun the other ranks' pipelines follow rank
     0's calls and return `[]`, or rank 0's results with `all_rank_output=True` (MII's behaviour).
 
-    Calls may interleave (two `stream` generators consumed in turns): whichever call steps the engine puts each
-    other call's outputs in that call's mailbox, so none is lost."""
+    Calls may interleave (two `stream` generators consumed in turns) and may come from several threads at once:
+    whichever call steps the engine puts each other call's outputs in that call's mailbox, so none is lost, and the
+    calls' sequences share the engine's steps (batched together, as a server's requests are). The engine is
+    touched under one lock: admitting a call's requests, a step, aborting what a call left."""
 
     def __init__(self, model_config: ModelConfig, all_rank_output: bool = False):
         self.model_config = model_config
@@ -48,6 +51,10 @@ class MIIPipeline:
         self._mailboxes: dict[int, collections.deque] = {}  # call → its outputs not yet taken, one list per step
         self._owner: dict[int, int] = {}  # uid → call
         self._calls = itertools.count()
+        # held to touch the engine (a step, admitting or aborting requests) and the owners of its sequences: calls
+        # from several threads would otherwise step it at once, or a step could finish a sequence before its call
+        # owned it (its outputs lost, the call waiting forever)
+        self._lock = threading.RLock()
         if self.tp_group is not None:  # a pipeline dropped without destroy() still stops its ranks
             weakref.finalize(self, self.tp_group.close)
 
@@ -99,12 +106,13 @@ class MIIPipeline:
         """Validate and admit one call's requests (all or none): (call id, its output processor, single prompt)."""
         engine = self._engine()
         requests, single = self._inputs.process(prompts, kwargs)
-        uids = engine.add_requests(requests)
         outputs = OutputProcessor(requests)
-        outputs.bind(uids)
-        call = next(self._calls)
-        self._mailboxes[call] = collections.deque()
-        self._owner.update((uid, call) for uid in uids)
+        with self._lock:
+            uids = engine.add_requests(requests)
+            outputs.bind(uids)
+            call = next(self._calls)
+            self._mailboxes[call] = collections.deque()
+            self._owner.update((uid, call) for uid in uids)
         return call, outputs, single
 
     def _steps(self, call: int, outputs: OutputProcessor) -> Iterator[list[RequestOutput]]:
@@ -120,13 +128,16 @@ class MIIPipeline:
                         raise failed
                     yield group
                 else:
-                    self._step()
+                    with self._lock:
+                        if not box:  # (another thread's step, while this one waited, may have filled it)
+                            self._step()
         finally:
-            self._mailboxes.pop(call, None)
-            for uid in outputs.pending:
-                self._owner.pop(uid, None)
-                if self.engine is not None:
-                    self.engine.abort(uid)
+            with self._lock:
+                self._mailboxes.pop(call, None)
+                for uid in outputs.pending:
+                    self._owner.pop(uid, None)
+                    if self.engine is not None:
+                        self.engine.abort(uid)
 
     def _step(self) -> None:
         engine = self._engine()

@@ -239,6 +239,42 @@ def test_interleaved_streams_keep_their_outputs(default_pipe, chat_prompt):
     assert default_pipe.engine.kv.allocator.num_free == default_pipe.engine.kv.num_blocks
 
 
+def test_calls_from_several_threads_share_the_steps(default_pipe, chat_prompt, monkeypatch):
+    """One pipeline called from four threads at once (a threaded web app's workers), two of them streaming: every
+    call gets the greedy tokens it gets alone, their sequences share the engine's steps, and nothing is left in
+    the engine. (Unguarded, the threads stepped the engine at once: KeyError and IndexError from inside it.)"""
+    import threading
+
+    kw = dict(max_new_tokens=12, do_sample=False, ignore_eos=True)
+    prompts = [chat_prompt, "Once upon a time", "The capital of France", "def fibonacci(n):"]
+    expected = [default_pipe(p, **kw)[0].token_ids for p in prompts]
+    runner, sizes = default_pipe.engine.runner, []
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda batch: sizes.append(len(batch.chunks)) or run(batch))
+    start, got, failed = threading.Barrier(len(prompts)), {}, []
+
+    def call(i):
+        try:
+            start.wait()
+            if i % 2:
+                got[i] = [t for chunk in default_pipe.stream(prompts[i], **kw) for t in chunk.token_ids]
+            else:
+                got[i] = default_pipe(prompts[i], **kw)[0].token_ids
+        except Exception as e:  # noqa: BLE001 - reported below
+            failed.append((i, e))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failed, failed
+    assert [got.get(i) for i in range(len(prompts))] == expected
+    assert max(sizes) > 1, sizes  # some step carried more than one thread's sequence
+    assert not default_pipe.engine.has_unfinished()
+    assert default_pipe.engine.kv.allocator.num_free == default_pipe.engine.kv.num_blocks
+
+
 def test_a_closed_stream_aborts_at_once(default_pipe, chat_prompt, monkeypatch):
     """Closing a stream aborts its sequences then and there, also while something else (a stored traceback, a
     debugger) still holds the generator that runs the engine's steps."""
