@@ -77,8 +77,11 @@ def _error_for(e: Exception, renames: dict) -> APIError:
     if isinstance(e, errors.PromptTooLongError):
         return APIError(400, str(e)[len(e.field) + 2:], param="prompt", code="context_length_exceeded")
     if isinstance(e, errors.ValidationError):
-        name = renames.get(e.field, e.field)
-        return APIError(400, f"{name}: {str(e)[len(e.field) + 2:]}", param=name)
+        name, message = renames.get(e.field, e.field), str(e)[len(e.field) + 2:]
+        for engine_name, api_name in renames.items():  # other parameters the message names, by the API's names too
+            if "_" in engine_name:  # (identifiers such as max_new_tokens, not words such as "prompts")
+                message = re.sub(rf"\b{engine_name}\b", api_name, message)
+        return APIError(400, f"{name}: {message}", param=name)
     if isinstance(e, errors.UnknownArgument):
         return APIError(400, str(e), code="unknown_argument")
     if isinstance(e, (errors.ServerOverloadedError, errors.KVCacheError)):

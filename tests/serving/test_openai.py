@@ -176,7 +176,7 @@ def test_openai_ranges_and_empty_chats(oai, model_id):
                  "stop_token_ids", "outside the vocabulary")
     _bad_request(lambda: complete(model=model_id, prompt="x", n=2, seed=2 ** 63 - 1), "seed")
     _bad_request(lambda: complete(model=model_id, prompt="x", max_tokens=2, extra_body={"min_tokens": 5}),
-                 "min_tokens")
+                 "min_tokens", "exceeds max_tokens=2")  # (the other parameter named as the API names it too)
     parts = chat(model=model_id, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                  max_tokens=3, temperature=0)
     assert parts.choices[0].message.content == chat(model=model_id, messages=hi, max_tokens=3,
