@@ -78,12 +78,12 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def render(model, messages: list, add_generation_prompt: bool, tools: Optional[list[Tool]] = None,
-           template_kwargs: Optional[dict] = None) -> str:
+           template_kwargs: Optional[dict] = None, continue_final: bool = False) -> str:
     """Chat messages (`schemas.ChatMessage`s) as the model's template writes them, with these tools and template
-    variables (chat completions and /tokenize)."""
+    variables (chat completions and /tokenize); `continue_final`: the final message left open (render_chat)."""
     return render_chat(model, template_messages([m.model_dump(exclude_none=True) for m in messages]),
                        add_generation_prompt, [t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                       check_template_kwargs(template_kwargs))
+                       check_template_kwargs(template_kwargs), continue_final)
 
 
 @functools.lru_cache(maxsize=8)
@@ -289,7 +289,8 @@ class ChatSetup:
         self.tools = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, model.tool_call_parser,
                               getattr(tok, "chat_template", None))
         self.prompt = render(model, req.messages, req.add_generation_prompt,
-                             self.tools.tools if self.tools.active else None, req.chat_template_kwargs)
+                             self.tools.tools if self.tools.active else None, req.chat_template_kwargs,
+                             req.continue_final_message)
         self.reasoning_on = model.reasoning_parser is not None
         self.in_think = reasoning.starts_thinking(self.prompt)
 

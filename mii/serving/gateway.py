@@ -76,7 +76,7 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         check_model(model, body.model)
         if body.messages is not None:
             text = chat_tools.render(model, body.messages, body.add_generation_prompt, body.tools,
-                                     body.chat_template_kwargs)
+                                     body.chat_template_kwargs, body.continue_final_message)
             ids = encode_prompt(model.tokenizer, text, add_special_tokens=False)
         elif body.prompt is not None:
             ids = encode_prompt(model.tokenizer, body.prompt, body.add_special_tokens)

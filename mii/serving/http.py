@@ -303,10 +303,12 @@ def check_token_ids(model: ServedModel, prompt, field: str) -> None:
 
 
 def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True, tools: Optional[list] = None,
-                template_kwargs: Optional[dict] = None) -> str:
+                template_kwargs: Optional[dict] = None, continue_final: bool = False) -> str:
     """Chat messages as text through the model's template; a 400 naming the message for anything else than text
     content, and for a chat with nothing to say (no message, or every content empty or whitespace). `tools` (OpenAI's
-    function definitions) and `template_kwargs` (e.g. `enable_thinking`) are passed on to the template."""
+    function definitions) and `template_kwargs` (e.g. `enable_thinking`) are passed on to the template.
+    `continue_final` (vLLM's continue_final_message): the final message left open, without its end of turn, for
+    the model to continue (an assistant's answer begun by the caller); not with `add_generation_prompt`."""
     tok = model.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -330,9 +332,15 @@ def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True
         flat.append({**m, "content": content or ""})
     if not any(m["content"].strip() for m in flat):
         raise APIError(400, "messages: every message is empty (nothing to answer)", param="messages")
+    if continue_final and add_generation_prompt:
+        raise APIError(400, "continue_final_message: continues the final message, so add_generation_prompt (a new "
+                       "assistant turn, true by default) must be false", param="continue_final_message")
+    if continue_final and not flat[-1]["content"].strip():
+        raise APIError(400, f"continue_final_message: the final message (messages[{len(flat) - 1}]) is empty, "
+                       "nothing to continue", param="continue_final_message")
     try:
         return tok.apply_chat_template(flat, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       **(template_kwargs or {}))
+                                       continue_final_message=continue_final, **(template_kwargs or {}))
     except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
 

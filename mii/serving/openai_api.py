@@ -46,6 +46,8 @@ NOT_SUPPORTED = {
     "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,),
+    # vLLM's: a chat template sent with the request, and chat's echo of the final message
+    "chat_template": (None,), "echo": (None, False),
 }
 """OpenAI fields that would change the answer but are not implemented, with the values that mean "not used"
 (accepted); any other value is a 400. Implementing one means declaring it on the request and deleting it here."""
@@ -129,6 +131,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=BOUNDS.max_logprobs, description="needs logprobs=true")
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="vLLM's: the final message left open for the model to "
+                                         "continue (an answer the caller began); needs add_generation_prompt=false")
     tools: Optional[Annotated[list[chat_tools.Tool], Field(max_length=128)]] = None
     tool_choice: Optional[chat_tools.ToolChoice] = Field(None, description='default: "auto" with tools, else "none"')
     parallel_tool_calls: Optional[bool] = Field(None, description="default true; false: at most one call")

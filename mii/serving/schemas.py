@@ -285,6 +285,8 @@ class TokenizeRequest(BaseModel):
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="with messages: the final message left open "
+                                         "(as chat completions leave it)")
     tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = Field(
         None, description="with messages: rendered by the template, as chat completions render them")
     chat_template_kwargs: Optional[TemplateKwargs] = Field(None, description="with messages: template variables")

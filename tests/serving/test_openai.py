@@ -194,7 +194,33 @@ def test_unsupported_fields_are_refused_not_ignored(oai, model_id):
     assert body["code"] == "unsupported_parameter"
     # response_format and logit_bias are supported (tests/serving/test_structured.py)
     _bad_request(lambda: oai.completions.create(model=model_id, prompt="x", suffix="y"), "suffix")
+    # vLLM's: a template sent with the request, chat's echo
+    _bad_request(lambda: chat(model=model_id, messages=hi, extra_body={"chat_template": "{{ 'x' }}"}), "chat_template")
+    _bad_request(lambda: chat(model=model_id, messages=hi, extra_body={"echo": True}), "echo")
     # the values that mean "not used" are fine
     r = chat(model=model_id, messages=hi, max_tokens=2, response_format={"type": "text"}, tool_choice="none",
              user="someone")
     assert r.usage.completion_tokens == 2
+
+
+def test_continue_final_message(oai, model_id, base_url):
+    """vLLM's continue_final_message: the chat's final message is left open (no end of turn) and the answer
+    continues it: the same greedy text as a completion of the prompt /tokenize renders that way."""
+    msgs = [{"role": "user", "content": "Count from one."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    open_end = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = httpx.post(f"{base_url}/tokenize", json={"messages": msgs, **open_end}, timeout=30).json()["tokens"]
+    text = httpx.post(f"{base_url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\n1, 2, 3,"), text
+    chat = oai.chat.completions.create(model=model_id, messages=msgs, max_tokens=6, temperature=0,
+                                       extra_body=open_end)
+    completion = oai.completions.create(model=model_id, prompt=tokens, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert chat.usage.prompt_tokens == len(tokens)
+    # without it the final message is closed: another prompt
+    closed = httpx.post(f"{base_url}/tokenize", json={"messages": msgs, "add_generation_prompt": False},
+                        timeout=30).json()["tokens"]
+    assert closed[:len(tokens)] == tokens and len(closed) > len(tokens)
+    _bad_request(lambda: oai.chat.completions.create(model=model_id, messages=msgs, extra_body={
+        "continue_final_message": True}), "continue_final_message", "add_generation_prompt")
+    _bad_request(lambda: oai.chat.completions.create(model=model_id, messages=msgs[:1] + [
+        {"role": "assistant", "content": " "}], extra_body=open_end), "continue_final_message", "empty")
