@@ -10,8 +10,11 @@ _CONTEXT = 5  # prompt tokens decoded along with the first new ones, so leading 
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), include_stop: bool = False,
+                 skip_special: bool = True):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop  # the stop string found stays at the end of the text
+        self.skip_special = skip_special
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
@@ -22,7 +25,7 @@ class Detokenizer:
         self.stopped = False
 
     def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_id: int, final: bool = False, check_stop: bool = True) -> str:
         """Append one token; return the text that became safe to emit (all of it when `final`)."""
@@ -38,9 +41,10 @@ class Detokenizer:
         return self.flush() if final or self.stopped else self._release()
 
     def _find_stop(self, since: int) -> None:
-        hits = [i for i in (self.text.find(s, since) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.text.find(s, since), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, minus_len = min(hits)  # the first stop string in the text (of two starting there, the longer)
+            self.text = self.text[: at - minus_len if self.include_stop else at]
             self.stopped = True
 
     def _release(self) -> str:

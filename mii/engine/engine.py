@@ -138,7 +138,9 @@ class Engine:
                 seq.constraint = r.grammar.matcher()
             if r.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = []
-            self.requests[uid] = _Request(seq, Detokenizer(self.tokenizer, seq.prompt_ids, r.params.stop))
+            p = r.params
+            self.requests[uid] = _Request(seq, Detokenizer(self.tokenizer, seq.prompt_ids, p.stop,
+                                                           p.include_stop_str_in_output, p.skip_special_tokens))
             self.scheduler.add(seq)
             uids.append(uid)
         return uids

@@ -58,6 +58,10 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    """A stop string that ends the sequence is kept at the end of its text (vLLM's name), not cut from it."""
+    skip_special_tokens: bool = True
+    """Special tokens the model generates are left out of the text (the EOS or stop id that ends it always is)."""
     logprobs: Optional[int] = None
     """Number of top log-probabilities to return per generated token (0: only the chosen token's)."""
     n: int = 1
@@ -140,7 +144,7 @@ class GenerationParams:
                                                     f"got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValidationError("stop_token_ids", f"token ids are >= 0, got {min(self.stop_token_ids)}")
-        for name in ("ignore_eos", "return_full_text", "do_sample"):
+        for name in ("ignore_eos", "return_full_text", "do_sample", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"must be a boolean, got {getattr(self, name)!r}")
         top_p = _number("top_p", self.top_p)

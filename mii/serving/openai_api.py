@@ -46,11 +46,15 @@ NOT_SUPPORTED = {
     "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,),
-    # vLLM's: a chat template sent with the request, and chat's echo of the final message
-    "chat_template": (None,), "echo": (None, False),
+    # vLLM's that change the answer: a chat template sent with the request, chat's echo of the final message, beam
+    # search, token allow and ban lists, prompt truncation, logits processors, token ids in place of text
+    "chat_template": (None,), "echo": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "truncate_prompt_tokens": (None,),
+    "logits_processors": (None,), "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
+    "spaces_between_special_tokens": (None, True),
 }
-"""OpenAI fields that would change the answer but are not implemented, with the values that mean "not used"
-(accepted); any other value is a 400. Implementing one means declaring it on the request and deleting it here."""
+"""OpenAI's (and vLLM's) fields that would change the answer but are not implemented, with the values that mean "not
+used" (accepted); any other value is a 400. Implementing one means declaring it on the request and deleting it here."""
 
 
 _Stop = Annotated[str, Field(min_length=1, max_length=BOUNDS.max_stop_length)]
@@ -85,6 +89,8 @@ class _Sampling(structured.StructuredFields):  # + response_format and vLLM's gu
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT64[1])
     stop_token_ids: Optional[Annotated[list[schemas.TokenId], Field(max_length=BOUNDS.max_stop_token_ids)]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -103,7 +109,8 @@ class _Sampling(structured.StructuredFields):  # + response_format and vLLM's gu
             top_k=None if not self.top_k or self.top_k < 0 else self.top_k, min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             ignore_eos=self.ignore_eos, min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-            logit_bias=self.logit_bias or None)
+            logit_bias=self.logit_bias or None, include_stop_str_in_output=self.include_stop_str_in_output or None,
+            skip_special_tokens=None if self.skip_special_tokens else False)
         kw.update(self.constraint()[0])
         max_tokens = self.max_new_tokens()
         if max_tokens is None:

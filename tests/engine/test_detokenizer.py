@@ -38,3 +38,26 @@ def test_stop_string_cut_and_held_back(tok, stop):
     # nothing of the stop string was ever released, even when it spans several tokens
     assert detok.stopped
     assert "".join(out) == tok.decode(ids)[: tok.decode(ids).index(stop)]
+
+
+@pytest.mark.parametrize("stop", ["世界", "emoji,", "✓ do"])
+def test_stop_string_kept_when_asked(tok, stop):
+    """include_stop_str_in_output (vLLM's): the text ends with the stop string, spanning tokens or not."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    whole = tok.decode(ids)
+    detok = Detokenizer(tok, [], stop=(stop, "never appears"), include_stop=True)
+    out = []
+    for t in ids:
+        out.append(detok.add(t))
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert "".join(out) == whole[: whole.index(stop) + len(stop)]
+
+
+def test_special_tokens_kept_when_asked(tok):
+    """skip_special_tokens=False: special tokens the model generates stay in the text; by default they are left out."""
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    ids = tok.encode(" hi", add_special_tokens=False) + [special] + tok.encode(" there", add_special_tokens=False)
+    assert "".join(feed(Detokenizer(tok, []), ids)) == " hi there"
+    assert "".join(feed(Detokenizer(tok, [], skip_special=False), ids)) == " hi<|im_start|> there"

@@ -194,9 +194,15 @@ def test_unsupported_fields_are_refused_not_ignored(oai, model_id):
     assert body["code"] == "unsupported_parameter"
     # response_format and logit_bias are supported (tests/serving/test_structured.py)
     _bad_request(lambda: oai.completions.create(model=model_id, prompt="x", suffix="y"), "suffix")
-    # vLLM's: a template sent with the request, chat's echo
+    # vLLM's: a template sent with the request, chat's echo, beam search, token lists (refused unless "not used")
     _bad_request(lambda: chat(model=model_id, messages=hi, extra_body={"chat_template": "{{ 'x' }}"}), "chat_template")
     _bad_request(lambda: chat(model=model_id, messages=hi, extra_body={"echo": True}), "echo")
+    _bad_request(lambda: oai.completions.create(model=model_id, prompt="x", extra_body={"use_beam_search": True}),
+                 "use_beam_search")
+    _bad_request(lambda: oai.completions.create(model=model_id, prompt="x", extra_body={"allowed_token_ids": [5]}),
+                 "allowed_token_ids")
+    assert oai.completions.create(model=model_id, prompt="x", max_tokens=1, extra_body={
+        "use_beam_search": False, "length_penalty": 1.0, "detokenize": True}).usage.completion_tokens == 1
     # the values that mean "not used" are fine
     r = chat(model=model_id, messages=hi, max_tokens=2, response_format={"type": "text"}, tool_choice="none",
              user="someone")
@@ -224,3 +230,17 @@ def test_continue_final_message(oai, model_id, base_url):
         "continue_final_message": True}), "continue_final_message", "add_generation_prompt")
     _bad_request(lambda: oai.chat.completions.create(model=model_id, messages=msgs[:1] + [
         {"role": "assistant", "content": " "}], extra_body=open_end), "continue_final_message", "empty")
+
+
+def test_stop_string_kept_and_special_tokens_shown_when_asked(oai, model_id):
+    """vLLM's include_stop_str_in_output (the stop string ends the text) and skip_special_tokens=false (special
+    tokens the model generates are in the text: here <|im_start|>, forced by logit_bias)."""
+    full = oai.completions.create(model=model_id, prompt="Once upon", max_tokens=12, temperature=0).choices[0].text
+    stop = full[len(full) // 2:][:3]
+    kept = oai.completions.create(model=model_id, prompt="Once upon", max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == full[: full.index(stop) + len(stop)]
+    forced = dict(model=model_id, prompt="Once upon", max_tokens=2, temperature=0, logit_bias={"1": 100})
+    assert oai.completions.create(**forced).choices[0].text == ""
+    shown = oai.completions.create(**forced, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert shown == "<|im_start|><|im_start|>"
