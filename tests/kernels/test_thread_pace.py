@@ -173,6 +173,10 @@ def test_beside_busy_processes_decode_takes_one_thread_with_the_same_tokens_then
     idle_drops = torch.ops.mii.stack_pace(held)[1]
     with Busy():
         busy = greedy(pipe, PROMPT, 96)
+        for _ in range(3):  # a try of a second thread can hold in a lull of the neighbours' load (seen once in CI:
+            if torch.ops.mii.stack_pace(held)[0] == 1:  # dropped, then a try kept): the load goes on, so it drops again
+                break
+            assert greedy(pipe, PROMPT, 96) == idle
         threads, drops, probes, rises = torch.ops.mii.stack_pace(held)
         assert threads == 1 and drops > idle_drops, (threads, drops, probes, rises)
         assert busy == idle  # the kernels' shares split outputs, never a sum: the same bits on any thread count
