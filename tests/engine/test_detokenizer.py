@@ -26,33 +26,21 @@ def test_multibyte_characters_never_split(tok):
     assert "".join(chunks) == tok.decode(ids)
 
 
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("stop", ["世界", "emoji,", "✓ do"])
-def test_stop_string_cut_and_held_back(tok, stop):
-    ids = tok.encode(TEXT, add_special_tokens=False)
-    detok = Detokenizer(tok, [], stop=(stop, "never appears"))
-    out = []
-    for t in ids:
-        out.append(detok.add(t))
-        if detok.stopped:
-            break
-    # nothing of the stop string was ever released, even when it spans several tokens
-    assert detok.stopped
-    assert "".join(out) == tok.decode(ids)[: tok.decode(ids).index(stop)]
-
-
-@pytest.mark.parametrize("stop", ["世界", "emoji,", "✓ do"])
-def test_stop_string_kept_when_asked(tok, stop):
-    """include_stop_str_in_output (vLLM's): the text ends with the stop string, spanning tokens or not."""
+def test_stop_string_cut_and_held_back(tok, stop, include):
+    """Nothing of the stop string is ever released, even when it spans several tokens; with include_stop (vLLM's
+    include_stop_str_in_output) the text ends with it."""
     ids = tok.encode(TEXT, add_special_tokens=False)
     whole = tok.decode(ids)
-    detok = Detokenizer(tok, [], stop=(stop, "never appears"), include_stop=True)
+    detok = Detokenizer(tok, [], stop=(stop, "never appears"), include_stop=include)
     out = []
     for t in ids:
         out.append(detok.add(t))
         if detok.stopped:
             break
     assert detok.stopped
-    assert "".join(out) == whole[: whole.index(stop) + len(stop)]
+    assert "".join(out) == whole[: whole.index(stop) + (len(stop) if include else 0)]
 
 
 def test_special_tokens_kept_when_asked(tok):
