@@ -122,8 +122,13 @@ class RequestLimits:
                 raise ValidationError(field, f"the prompt ({prompt_len} tokens) and the completion "
                                              f"({asked - prompt_len}) need {asked} tokens, but the KV cache of this "
                                              f"engine holds only {kv}")
-            return asked
-        return min(max(self.default_max_length, prompt_len + 1), ctx, kv)
+            limit = asked
+        else:
+            limit = min(max(self.default_max_length, prompt_len + 1), ctx, kv)
+        if p.min_new_tokens > limit - prompt_len:  # (EOS and stop ids are banned until then: it would run to the end)
+            raise ValidationError("min_new_tokens", f"{p.min_new_tokens} exceeds the {limit - prompt_len} tokens this "
+                                                    f"request may generate after its {prompt_len}-token prompt")
+        return limit
 
 
 @dataclass(frozen=True)

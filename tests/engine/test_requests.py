@@ -47,6 +47,12 @@ def test_length_limits():
         inputs.process([1] * 50, {})  # a 400-class error: it can never run, retrying will not help
     with pytest.raises(ValidationError, match="max_length"):
         inputs.process([1] * 10, dict(max_length=10))
+    # min_new_tokens past what the request may generate (EOS banned until then): refused, not run to the end
+    assert inputs.process([1] * 10, dict(min_new_tokens=22))[0][0].max_total == 32
+    with pytest.raises(ValidationError, match="^min_new_tokens: 23 exceeds the 22 tokens .* 10-token prompt"):
+        inputs.process([1] * 10, dict(min_new_tokens=23))
+    with pytest.raises(ValidationError, match="^min_new_tokens: 39 exceeds the 38 tokens"):
+        inputs.process([1] * 10, dict(min_new_tokens=39, max_length=48))
 
 
 def test_explicit_length_beyond_the_context_is_an_error():
