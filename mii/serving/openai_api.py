@@ -109,8 +109,8 @@ class _Sampling(structured.StructuredFields):  # + response_format and vLLM's gu
             top_k=None if not self.top_k or self.top_k < 0 else self.top_k, min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             ignore_eos=self.ignore_eos, min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-            logit_bias=self.logit_bias or None, include_stop_str_in_output=self.include_stop_str_in_output or None,
-            skip_special_tokens=None if self.skip_special_tokens else False)
+            logit_bias=self.logit_bias or None, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
         kw.update(self.constraint()[0])
         max_tokens = self.max_new_tokens()
         if max_tokens is None:
