@@ -14,7 +14,7 @@ from mii.engine.constraints import Constraint, normalize_json_schema
 from mii.engine.constraints import check_fields as check_constraint_fields
 from mii.errors import UnknownArgument, ValidationError
 
-INT64_MAX = 2**63 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class GenerationParams:
         _int_field("prompt_logprobs", self.prompt_logprobs, low=0, high=BOUNDS.max_logprobs, optional=True)
         check_constraint_fields(self, BOUNDS.max_constraint_chars)
         # sample j of n draws with seed + j, an int64 in the sampler
-        _int_field("seed", self.seed, low=0, high=INT64_MAX - (self.n - 1), optional=True,
+        _int_field("seed", self.seed, low=INT64_MIN, high=INT64_MAX - (self.n - 1), optional=True,
                    why=f" (sample j of n={self.n} uses seed + j, a 64-bit signed integer)" if self.n > 1 else
                    " (a 64-bit signed integer)")
         if len(self.stop) > BOUNDS.max_stop_strings:

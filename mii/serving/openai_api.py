@@ -75,7 +75,7 @@ class _Sampling(structured.StructuredFields):  # + response_format and vLLM's gu
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[_Stop, Annotated[list[_Stop], Field(max_length=BOUNDS.max_stop_strings)]]] = None
-    seed: Optional[int] = Field(None, ge=0, le=INT64[1])
+    seed: Optional[int] = Field(None, ge=INT64[0], le=INT64[1])
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     user: Optional[str] = None

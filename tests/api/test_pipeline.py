@@ -100,8 +100,10 @@ def test_seeded_sampling(default_pipe, chat_prompt):
     b = default_pipe([chat_prompt, "Once upon a time"], seed=123, **kw)[0]  # other company, same seed
     c = default_pipe([chat_prompt], seed=124, **kw)[0]
     d = default_pipe([chat_prompt], seed=125, **kw)[0]
-    assert a.generated_text == b.generated_text
-    assert len({a.generated_text, c.generated_text, d.generated_text}) == 3
+    e = default_pipe([chat_prompt], seed=-123, **kw)[0]  # negative seeds too (vLLM takes any int64)
+    f = default_pipe([chat_prompt, "Once upon a time"], seed=-123, **kw)[0]
+    assert a.generated_text == b.generated_text and e.generated_text == f.generated_text
+    assert len({a.generated_text, c.generated_text, d.generated_text, e.generated_text}) == 4
 
 
 def test_sampling_follows_the_distribution(default_pipe):

@@ -87,7 +87,7 @@ def test_error_info_keeps_the_completion_length():
     # the sampler adds j to the seed of sample j, in int64: seed + n - 1 must fit
     (["ok"], dict(seed=2**63 - 2, n=3), ValidationError, r"seed: must be <= 9223372036854775805.*seed \+ j"),
     (["ok"], dict(seed=2**64), ValidationError, "seed: must be <= 9223372036854775807"),
-    (["ok"], dict(seed=-1), ValidationError, "seed: must be >= 0"),
+    (["ok"], dict(seed=-2**63 - 1), ValidationError, "seed: must be >= -9223372036854775808"),
     (["ok"], dict(stop_token_ids=[5, 100], min_new_tokens=2), ValidationError, "stop_token_ids: token id 100 is outside"),
     (["ok"], dict(stop_token_ids=[-3]), ValidationError, "stop_token_ids: token ids are >= 0"),
     (["ok"], dict(top_k=2**70), ValidationError, "top_k: must be <="),
@@ -101,9 +101,11 @@ def test_any_bad_prompt_or_value_fails_the_whole_call(prompts, kwargs, error, wo
         InputProcessor(_Tokenizer(), LIMITS).process(prompts, kwargs)
 
 
-def test_largest_seed_is_accepted():
+def test_largest_and_smallest_seeds_are_accepted():
     reqs, _ = InputProcessor(_Tokenizer(), LIMITS).process("ok", dict(seed=2**63 - 3, n=3))
     assert [r.params.seed for r in reqs] == [2**63 - 3, 2**63 - 2, 2**63 - 1]
+    reqs, _ = InputProcessor(_Tokenizer(), LIMITS).process("ok", dict(seed=-2**63, n=2))  # vLLM takes any int64
+    assert [r.params.seed for r in reqs] == [-2**63, -2**63 + 1]
 
 
 NONFINITE = [float("nan"), float("inf"), float("-inf")]

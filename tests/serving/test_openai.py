@@ -70,7 +70,7 @@ def test_explicit_max_tokens_past_the_context_is_a_400(oai, model_id):
 
 @pytest.mark.parametrize("extra, param", [
     (dict(seed=2**63 - 1, n=2), "seed"),  # sample j uses seed + j: past int64 (it overflowed in the step)
-    (dict(seed=-1), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),  # below int64 (negative seeds are fine, as in vLLM)
     (dict(stop_token_ids=[49152 + 5], min_tokens=2), "stop_token_ids"),  # outside the vocabulary
     (dict(stop=[f"s{i}" for i in range(17)]), "stop"),
 ])
