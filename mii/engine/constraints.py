@@ -116,16 +116,22 @@ def check_fields(params, max_chars: int) -> None:
 
 
 class Matcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar (`field`: the parameter that carries it, for errors)."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, field: str):
         self._m = matcher
+        self.field = field
 
     def advance(self, token: int) -> bool:
-        """Consume a sampled token; True when the grammar is complete (nothing but EOS may follow). A token the
-        grammar refuses (only possible if the sampler ignored the mask) is a RuntimeError."""
+        """Consume a sampled token; True when the grammar is complete (nothing but EOS may follow). A refused token
+        is a `ValidationError` naming the field: the sampler keeps to the mask, but where the constraint needs a
+        byte that no token of this vocabulary writes (SmolLM2's has no 0xf1, the lead byte of U+40000-U+7FFFF),
+        llguidance's mask still lets through a token it then refuses. The request alone ends."""
         if not self._m.consume_token(token):
-            raise RuntimeError(f"the constraint refused token {token}: {self._m.get_error()}")
+            why = self._m.get_error().strip().splitlines()[0]
+            raise ValidationError(self.field, f"the output cannot go on within the constraint with this model's "
+                                              f"tokens (token {token} refused: {_short(why, 200)}); does it need "
+                                              "a character that this tokenizer cannot write?")
         return self._m.is_stopped()
 
     def replay(self, tokens: list[int]) -> None:
@@ -143,10 +149,11 @@ class CompiledGrammar:
 
     def __init__(self, constraint: Constraint, template):
         self.constraint = constraint
+        self.field = _field(constraint)
         self._template = template
 
     def matcher(self) -> Matcher:
-        return Matcher(self._template.deep_copy())
+        return Matcher(self._template.deep_copy(), self.field)
 
 
 class GrammarCompiler:
@@ -190,7 +197,7 @@ class GrammarCompiler:
     def _compile(self, c: Constraint) -> CompiledGrammar:
         import llguidance as llg
 
-        field = "json_schema" if c.kind == "json_object" else c.kind
+        field = _field(c)
         tok = self._llg_tokenizer(field)
         try:
             if c.kind in ("json_schema", "json_object"):
@@ -208,6 +215,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValidationError(field, _short(matcher.get_error()))
         return CompiledGrammar(c, matcher)
+
+
+def _field(c: Constraint) -> str:
+    """The generation parameter that errors about `c` name (json_object's text is a JSON schema)."""
+    return "json_schema" if c.kind == "json_object" else c.kind
 
 
 def _short(message: str, limit: int = 500) -> str:

@@ -28,7 +28,7 @@ from mii.engine.plan import EnginePlan, plan_device, plan_memory
 from mii.engine.requests import EngineRequest, RequestLimits
 from mii.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from mii.engine.sequence import Sequence
-from mii.errors import EngineStepError, KVCacheError
+from mii.errors import EngineStepError, KVCacheError, MIIError, ValidationError
 from mii.response import FinishReason
 
 log = logging.getLogger("mii")
@@ -50,8 +50,9 @@ class RequestOutput:
     generated_length: int
     logprobs: list = field(default_factory=list)
     """Per new token: (token id, logprob, {top id: logprob}) when the request asked for logprobs."""
-    error: Optional[EngineStepError] = None
-    """Set when the request failed inside a step: it is finished and gone from the engine (finish_reason NONE)."""
+    error: Optional[MIIError] = None
+    """Set when the request failed inside a step (an EngineStepError, or a ValidationError where its own input could
+    not be honoured): it is finished and gone from the engine (finish_reason NONE)."""
     prompt_logprobs: Optional[list] = None
     """On a request's first output, with params.prompt_logprobs: (token id, logprob, {top id: logprob}) per prompt
     token; the first has logprob None (nothing precedes it)."""
@@ -213,11 +214,17 @@ class Engine:
         return parts, failed
 
     def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
-        log.error("request %d failed in an engine step and was dropped: %s: %s", seq.uid, type(e).__name__, e)
+        """End one request on `e`: a ValidationError (its own input could not be honoured, e.g. a constraint this
+        tokenizer cannot write) as it is, anything else as an EngineStepError."""
+        if isinstance(e, ValidationError):
+            log.warning("request %d ended: %s", seq.uid, e)
+            error = e
+        else:
+            log.error("request %d failed in an engine step and was dropped: %s: %s", seq.uid, type(e).__name__, e)
+            error = EngineStepError(f"the request failed inside the engine ({type(e).__name__}: {e}); "
+                                    "other requests were not affected")
         self._finish(seq)
         self.requests.pop(seq.uid, None)
-        error = EngineStepError(f"the request failed inside the engine ({type(e).__name__}: {e}); "
-                                "other requests were not affected")
         return RequestOutput(seq.uid, "", [], True, FinishReason.NONE, seq.num_prompt, seq.num_generated,
                              error=error)
 

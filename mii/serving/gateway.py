@@ -14,6 +14,7 @@ from typing import Optional
 from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response as HTTPResponse
 
+import mii
 from mii import errors
 from mii.config import MIIConfig
 from mii.engine.requests import encode_prompt, normalize_prompts
@@ -61,6 +62,11 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
     async def metrics():
         body = lb.metrics.render(await lb.stats())
         return HTTPResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version", **documented(schemas.Version))
+    async def version():
+        """mii's version (vLLM's server answers the same route)."""
+        return {"version": mii.__version__}
 
     @app.get("/engine_plan", **documented(schemas.EnginePlans))
     async def engine_plan():

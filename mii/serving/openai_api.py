@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming with
-`data: ...` / `data: [DONE]` and `stream_options.include_usage`), `GET /v1/models`.
+`data: ...` / `data: [DONE]` and `stream_options.include_usage`), `GET /v1/models` and `/v1/models/{model}`.
 
 OpenAI's defaults apply here (temperature 1, top_p 1, max_tokens = the rest of the context), not MII's, and
 OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], penalties in [-2, 2]); the engine's bounds (n, logprobs,
@@ -277,11 +277,21 @@ async def _first_chunk(lb: LoadBalancer, job: OpenAICall):
 
 
 def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
+    def card() -> dict:
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "mii",
+                "max_model_len": model.max_context}
+
     @app.get("/v1/models", **documented(schemas.ModelList))
     async def models():
         require_ready(model)
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "mii",
-                                            "max_model_len": model.max_context}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", **documented(schemas.ModelCard))
+    async def retrieve_model(model_id: str):
+        """The `openai` client's `models.retrieve`: the served model by its name or an alias (404 otherwise)."""
+        require_ready(model)
+        check_model(model, model_id)
+        return card()
 
     @app.post("/v1/completions", **documented(schemas.Completion, CompletionRequest, stream=True))
     async def completions(request: Request):
@@ -334,7 +344,7 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
                 return {"id": job.id, "object": "text_completion", "created": job.created, "model": model.name,
                         "choices": [], "usage": job.usage(last)}
 
-        events = _sse_events(stream, first, head, choice_event, usage_event)
+        events = _sse_events(stream, first, head, choice_event, usage_event, job.renames)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _completion_chunk(job: OpenAICall, i: int, text: str, finish, lp) -> dict:
@@ -392,11 +402,11 @@ def add_routes(app: FastAPI, lb: LoadBalancer, model: ServedModel) -> None:
         def usage_event(last):
             return chunk_of([], job.usage(last)) if include_usage else None
 
-        events = _sse_events(stream, first, head, choice_event, usage_event)
+        events = _sse_events(stream, first, head, choice_event, usage_event, job.renames)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _sse_events(stream, first, head: list, choice_event, usage_event):
+async def _sse_events(stream, first, head: list, choice_event, usage_event, renames: dict):
     """The SSE body shared by completions and chat: `head` events, then one event per choice with news in each
     chunk (`choice_event(index, response, finish_reason)`), the usage event if any, errors in OpenAI's shape, and
     `data: [DONE]`; the upstream stream is closed whatever happens (which cancels it if the client left)."""
@@ -421,7 +431,7 @@ async def _sse_events(stream, first, head: list, choice_event, usage_event):
         if usage is not None:
             yield _sse(usage)
     except errors.MIIError as e:
-        yield _sse(api_error(e, _RENAMES).body())
+        yield _sse(api_error(e, renames).body())  # naming the fields as this request did
     except Exception as e:  # the 200 is sent: the error goes in the stream
         yield _sse(internal_error(e).body())
     finally:

@@ -190,6 +190,10 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class Version(BaseModel):
+    version: str
+
+
 # --- the gateway's own routes ------------------------------------------------------------------------------------
 
 

@@ -80,6 +80,24 @@ def test_bad_constraints_name_their_field(pipe):
     assert not pipe.engine.has_unfinished()
 
 
+def test_a_constraint_this_vocabulary_cannot_write_ends_its_request_alone(pipe):
+    """U+4CF91 is F1 8C BE 91 in UTF-8, and this byte-level vocabulary has no token for the byte F1: llguidance's
+    mask lets a token through that it then refuses. That request ends with a ValidationError naming its field (a
+    400 over HTTP, not an engine failure); a request sharing its steps goes on to the same tokens as alone."""
+    assert "\u00f1" not in pipe.tokenizer.get_vocab()  # byte F1 as byte-level BPE spells it
+    alone = pipe("x", max_new_tokens=12, do_sample=False, ignore_eos=True)[0]
+    beside = pipe.stream("x", max_new_tokens=12, do_sample=False, ignore_eos=True)
+    first = next(beside)
+    for kwargs, field in (({"regex": "ab\U0004cf91"}, "regex"), ({"choice": ["\U0004cf91"]}, "choice"),
+                          ({"json_schema": {"const": "\U0004cf91"}}, "json_schema")):
+        with pytest.raises(ValidationError, match="cannot go on within the constraint") as e:
+            pipe("y", max_new_tokens=8, **kwargs)
+        assert e.value.field == field
+    ids = first.token_ids + [t for chunk in beside for t in chunk.token_ids]
+    assert ids == alone.token_ids
+    assert not pipe.engine.has_unfinished()
+
+
 def test_constrained_rows_leave_the_others_alone(pipe):
     """Greedy fp32: the unconstrained outputs of a batch with constrained requests equal those of a run without
     them (the mask touches only its own rows)."""

@@ -4,9 +4,15 @@ import openai
 import pytest
 
 
-def test_models(oai, tiny_model):
+def test_models(oai, tiny_model, base_url):
+    import mii
+
     models = oai.models.list().data
     assert [m.id for m in models] == [tiny_model]
+    assert oai.models.retrieve(tiny_model) == models[0]  # an id with slashes (a folder's path) too
+    with pytest.raises(openai.NotFoundError, match="The model `no/such-model` does not exist"):
+        oai.models.retrieve("no/such-model")
+    assert httpx.get(f"{base_url}/version", timeout=10).json() == {"version": mii.__version__}
 
 
 def test_completion_usage_and_n(oai, model_id):

@@ -129,6 +129,24 @@ def test_bad_constraints_are_a_400_naming_the_field(base_url, model_id, body, pa
     assert ok.status_code == 200  # the server keeps serving
 
 
+def test_a_constraint_the_vocabulary_cannot_write_names_the_field(base_url, model_id):
+    """(Why such a constraint fails: tests/engine/test_constraints.py.) Failing before the answer starts, it is a
+    400; after the stream began, the stream's error event; both name the field as the request did."""
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": model_id, "prompt": "x", "max_tokens": 8,
+                                                       "guided_regex": "\U0004cf91"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    assert "cannot go on within the constraint" in r.json()["error"]["message"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "ab\U0004cf91"}}}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", timeout=60, json={
+            "model": model_id, "messages": CHAT, "max_tokens": 8, "stream": True, "response_format": fmt}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    assert text == '"ab' and events[-1]["error"]["param"] == "response_format", events
+    ok = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200  # the server keeps serving
+
+
 def test_response_format_with_a_constraining_tool_choice_is_a_400():
     """(The tiny model's template renders no tools, so over HTTP that is the first 400; the clash is checked where
     the chat route merges what the tools add.)"""
