@@ -96,7 +96,9 @@ def apply_penalties(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
     out_counts = _counts(output_ids, V)
     seen = (out_counts + _counts(prompt_ids, V)) > 0
     r = rep.unsqueeze(1)
-    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    # a penalty near 0 would divide a positive logit into +inf (NaN after softmax): the largest finite value
+    boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
+    logits = torch.where(seen, torch.where(logits > 0, boosted, logits * r), logits)
     return logits - frequency.unsqueeze(1) * out_counts - presence.unsqueeze(1) * (out_counts > 0)
 
 

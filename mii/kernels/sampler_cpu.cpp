@@ -40,6 +40,7 @@ inline uint32_t mix32(uint32_t x) {
 const float kMaxGumbel = -std::log(-std::log(1.0f - 0.5f / 8388608.0f)) + 0.01f;
 
 constexpr float kMasked = -1e30f;  // logits at or below this (masked tokens, -inf) never win
+constexpr float kMaxS = 1e30f;     // scaled logits above this (+inf from a penalty near 0) count as this
 constexpr int64_t kBlock = 64;     // tokens whose noise is computed together (vectorized)
 constexpr int kBins = 2048;        // top-p / top-k: probability mass by bins of s - m over [-kRange, 0]
 constexpr float kRange = 64.f;
@@ -73,7 +74,8 @@ std::pair<float, int64_t> last_kept(Row& w, int64_t V, float m, int64_t top_k, f
   for (int64_t v = 0; v < V; ++v) z += p[v];
   w.bin_mass.assign(kBins, 0.0);
   w.bin_count.assign(kBins, 0);
-  auto bin = [&](float sv) { return static_cast<int>(std::min((m - sv) * (kBins / kRange), kBins - 1.0f)); };
+  // s - m is finite and <= 0 (sample_row clamps s), but a NaN here must still land in a bin, not outside them
+  auto bin = [&](float sv) { const float d = m - sv; return d < kRange ? static_cast<int>(d * (kBins / kRange)) : kBins - 1; };
   for (int64_t v = 0; v < V; ++v) {
     const int b = bin(s[v]);
     w.bin_mass[b] += p[v];
@@ -113,7 +115,7 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   float* s = w.s.data();
   for (int64_t v = 0; v < V; ++v) {
     const float x = logits[v];
-    s[v] = x > kMasked ? x / t : kMasked;  // also maps NaN to masked
+    s[v] = x > kMasked ? std::min(x / t, kMaxS) : kMasked;  // also maps NaN to masked, and +inf to kMaxS
   }
   float m = kMasked;
   int64_t arg = 0;

@@ -191,6 +191,11 @@ def test_penalties_and_logprobs(default_pipe):
     assert penalized.token_ids != plain.token_ids
     freq = default_pipe(prompt, max_new_tokens=12, do_sample=False, frequency_penalty=2.0, presence_penalty=1.0)[0]
     assert len(set(freq.token_ids)) > len(set(plain.token_ids))
+    # a penalty that is 0 in float32 (it is > 0 as given): seen tokens with a positive logit win, sampled or not
+    for kw in (dict(do_sample=False), dict(do_sample=True, top_p=0.9, seed=1)):
+        near_zero = default_pipe(prompt, max_new_tokens=6, repetition_penalty=5e-324, **kw)[0]
+        ids = default_pipe.tokenizer(prompt)["input_ids"]
+        assert near_zero.generated_length == 6 and set(near_zero.token_ids) <= set(ids), near_zero.token_ids
 
 
 def test_mii_compatibility_forms(default_model_path):

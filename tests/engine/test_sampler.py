@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mii import kernels
-from mii.engine.sampler import SamplingBatch, exponential_noise, sample, sample_torch
+from mii.engine.sampler import SamplingBatch, apply_penalties, exponential_noise, sample, sample_torch
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
                                 reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
@@ -130,3 +130,27 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     for r in range(5):
         one = _batch(1, 1000, temperature=0.9, top_p=0.9, seeds=sb.seeds[r:r + 1], steps=sb.steps[r:r + 1])
         assert _race(logits[r:r + 1], one).item() == together[r].item()
+
+
+def test_infinite_and_nan_logits_stay_inside_the_rows():
+    """+inf logits win, NaN ones are masked, and the top-p / top-k bins stay inside their arrays (a NaN bin index
+    wrote outside them and killed the process, from a repetition penalty near 0)."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    logits[0, 7] = inf
+    logits[1, [3, 900]] = inf
+    logits[2, :] = nan
+    logits[2, 5] = 1.0
+    logits[3, 11], logits[3, 12] = inf, nan
+    for top_p, top_k in ((1.0, None), (0.9, None), (1.0, 50), (1e-30, 3)):
+        tokens = _race(logits, _batch(4, 1000, top_p=top_p, top_k=top_k)).tolist()
+        assert tokens[0] == 7 and tokens[1] in (3, 900) and tokens[2] == 5 and tokens[3] == 11, (top_p, top_k)
+
+
+def test_a_repetition_penalty_near_zero_keeps_logits_finite():
+    """(5e-324 > 0 passes validation, and is 0 in float32: a positive logit of a seen token divided by it.)"""
+    logits = torch.tensor([[2.0, -1.0, 0.0, 3.0]])
+    pen = (torch.tensor([5e-324]), torch.zeros(1), torch.zeros(1), torch.tensor([[0, 1, 2]]), torch.tensor([[-1]]))
+    out = apply_penalties(logits, pen)
+    assert torch.isfinite(out).all() and out[0, 0] == torch.finfo(torch.float32).max
+    assert out[0, 1] == 0 and out[0, 2] == 0 and out[0, 3] == 3.0  # (negative ones are multiplied: -0)
