@@ -120,9 +120,10 @@ def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tenso
 def sample_torch(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """The sampled token of every row ([S] long) by tensor ops: temperature, top-p / top-k over a full sort,
     min-p, then the exponential race (argmax of p / E). `mii::sample_race` draws the same on CPU."""
-    scaled = logits / sb.temperature.clamp(min=1e-5).unsqueeze(1)
+    # as the kernel: +inf (a penalty near 0) counts as 1e30, NaN as masked
+    scaled = (logits / sb.temperature.clamp(min=1e-5).unsqueeze(1)).clamp(max=1e30).nan_to_num(nan=float("-inf"))
     if sb.needs_sort:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties: lower id first, as the kernel
         probs = sorted_logits.softmax(dim=-1)
         rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
         # drop a token when the mass before it already reaches top_p, or it is past top_k

@@ -122,6 +122,10 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   for (int64_t v = 0; v < V; ++v)
     if (s[v] > m) m = s[v], arg = v;
   if (m <= kMasked) return arg;  // every token masked: nothing to draw from
+  // s relative to its max from here on, stored: under -ffast-math `s - m + g` may be computed as `(s + g) - m`,
+  // which loses the noise where s is large (a penalty near 0 makes it 1e30). A token 1e30 below the max is masked.
+  for (int64_t v = 0; v < V; ++v) s[v] = s[v] > kMasked ? s[v] - m : kMasked;
+  m = 0.0f;
   // kept: s > cut_s, or s == cut_s and v <= cut_v (top-k / top-p); and s >= min_s (min-p: p < min_p * p_max out)
   float cut_s = kMasked;
   int64_t cut_v = V;

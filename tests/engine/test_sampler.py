@@ -143,8 +143,10 @@ def test_infinite_and_nan_logits_stay_inside_the_rows():
     logits[2, 5] = 1.0
     logits[3, 11], logits[3, 12] = inf, nan
     for top_p, top_k in ((1.0, None), (0.9, None), (1.0, 50), (1e-30, 3)):
-        tokens = _race(logits, _batch(4, 1000, top_p=top_p, top_k=top_k)).tolist()
+        sb = _batch(4, 1000, top_p=top_p, top_k=top_k)
+        tokens = _race(logits, sb).tolist()
         assert tokens[0] == 7 and tokens[1] in (3, 900) and tokens[2] == 5 and tokens[3] == 11, (top_p, top_k)
+        assert sample_torch(logits, sb).tolist() == tokens
 
 
 def test_a_repetition_penalty_near_zero_keeps_logits_finite():
