@@ -55,12 +55,39 @@ inline void gumbel(uint32_t h, int64_t v0, int64_t n, float* g) {
   }
 }
 
+// the largest `x >> 9` (u's 23 bits) among tokens v0 .. v0+n-1 of a row whose hash is h
+inline uint32_t max_u_bits(uint32_t h, int64_t v0, int64_t n) {
+  uint32_t top = 0;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, mix32(h ^ mix32(static_cast<uint32_t>(v0 + i) + 0x61C88647u)) >> 9);
+  return top;
+}
+
+// -log(E) of the token whose u has these bits (as `gumbel` computes it)
+inline float gumbel_of(uint32_t bits) {
+  const float u = (static_cast<float>(bits) + 0.5f) * (1.0f / 8388608.0f);
+  return -std::log(-std::log(u));
+}
+
+constexpr float kSlack = 1e-3f;  // more than the vector and scalar logs can differ by, at noise up to kMaxGumbel
+
+// One thread's work space for a row of V tokens, kept between calls (sized, never cleared: every use writes first)
 struct Row {
-  std::vector<float> s, p, g;
-  std::vector<int32_t> bin_tokens;
+  std::vector<float> s, p, g, top, bound;
+  std::vector<uint32_t> ubits;
+  std::vector<int32_t> bins, bin_tokens;
   std::vector<double> bin_mass;
   std::vector<int32_t> bin_count;
+
+  void fit(int64_t V) {
+    if (static_cast<int64_t>(s.size()) >= V) return;
+    const int64_t blocks = (V + kBlock - 1) / kBlock;
+    s.resize(V), p.resize(V), bins.resize(V), bin_tokens.resize(V + 16);  // + a vector store past the last token
+    g.resize(kBlock), top.resize(blocks), bound.resize(blocks), ubits.resize(blocks);
+  }
 };
+
+constexpr int kWays = 4;  // interleaved histograms: a run of tokens in one bin is 4 chains of adds, not one
 
 // The last token kept by top-k / top-p, as (s, index) in the order (s descending, index ascending): a token is kept
 // when it comes no later. Tokens are binned by s - m so that only the bin where the kept mass (or count) crosses
@@ -68,19 +95,35 @@ struct Row {
 std::pair<float, int64_t> last_kept(Row& w, int64_t V, float m, int64_t top_k, float top_p) {
   const float* s = w.s.data();
   float* p = w.p.data();
-#pragma omp simd
-  for (int64_t v = 0; v < V; ++v) p[v] = std::exp(s[v] - m);
+  int32_t* bins = w.bins.data();
   double z = 0.0;
-  for (int64_t v = 0; v < V; ++v) z += p[v];
-  w.bin_mass.assign(kBins, 0.0);
-  w.bin_count.assign(kBins, 0);
-  // s - m is finite and <= 0 (sample_row clamps s), but a NaN here must still land in a bin, not outside them
-  auto bin = [&](float sv) { const float d = m - sv; return d < kRange ? static_cast<int>(d * (kBins / kRange)) : kBins - 1; };
+#pragma omp simd reduction(+ : z)
   for (int64_t v = 0; v < V; ++v) {
-    const int b = bin(s[v]);
-    w.bin_mass[b] += p[v];
-    w.bin_count[b] += 1;
+    p[v] = std::exp(s[v] - m);
+    z += p[v];
+    // s - m is finite and <= 0 (sample_row clamps s), but a NaN here must still land in a bin, not outside them
+    const float d = m - s[v];
+    bins[v] = d < kRange ? static_cast<int32_t>(d * (kBins / kRange)) : kBins - 1;
   }
+  w.bin_mass.assign(kWays * kBins, 0.0);
+  w.bin_count.assign(kWays * kBins, 0);
+  double* mass_of = w.bin_mass.data();
+  int32_t* count_of = w.bin_count.data();
+  int64_t v = 0;
+  for (; v + kWays <= V; v += kWays)
+    for (int j = 0; j < kWays; ++j) {
+      mass_of[j * kBins + bins[v + j]] += p[v + j];
+      count_of[j * kBins + bins[v + j]] += 1;
+    }
+  for (; v < V; ++v) {
+    mass_of[bins[v]] += p[v];
+    count_of[bins[v]] += 1;
+  }
+  for (int j = 1; j < kWays; ++j)
+    for (int b = 0; b < kBins; ++b) {
+      mass_of[b] += mass_of[j * kBins + b];
+      count_of[b] += count_of[j * kBins + b];
+    }
   const int64_t limit = std::min<int64_t>(std::max<int64_t>(top_k, 1), V);
   double before = 0.0;  // mass of the tokens ranked before, as a fraction of z
   int64_t rank = 0;
@@ -92,16 +135,28 @@ std::pair<float, int64_t> last_kept(Row& w, int64_t V, float m, int64_t top_k, f
       rank += w.bin_count[b];
       continue;
     }
-    w.bin_tokens.clear();  // the crossing bin: its tokens in order, kept while the mass before stays under top_p
-    for (int64_t v = 0; v < V; ++v)
-      if (bin(s[v]) == b) w.bin_tokens.push_back(static_cast<int32_t>(v));
-    std::sort(w.bin_tokens.begin(), w.bin_tokens.end(),
-              [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
-    int64_t last = w.bin_tokens.front();
-    for (const int32_t v : w.bin_tokens) {
+    // the crossing bin: its tokens in order, kept while the mass before stays under top_p
+    int32_t* const tokens = w.bin_tokens.data();
+    int64_t k = 0, v = 0;
+#if defined(__AVX512F__)
+    const __m512i want = _mm512_set1_epi32(b), sixteen = _mm512_set1_epi32(16);
+    __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; v + 16 <= V; v += 16, ids = _mm512_add_epi32(ids, sixteen)) {
+      const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bins + v), want);
+      if (hit) {  // compressed in a register, then stored whole (a compressing store is slow on Zen 4)
+        _mm512_storeu_si512(tokens + k, _mm512_maskz_compress_epi32(hit, ids));
+        k += __builtin_popcount(hit);
+      }
+    }
+#endif
+    for (; v < V; ++v)
+      if (bins[v] == b) tokens[k++] = static_cast<int32_t>(v);
+    std::sort(tokens, tokens + k, [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+    int64_t last = tokens[0];
+    for (int64_t i = 0; i < k; ++i) {
       if (rank >= limit || (rank > 0 && before >= top_p)) break;
-      last = v;
-      before += p[v] / z;
+      last = tokens[i];
+      before += p[last] / z;
       ++rank;
     }
     return {s[last], last};
@@ -113,17 +168,21 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
                    uint32_t h, Row& w) {
   const float t = std::max(temperature, 1e-5f);
   float* s = w.s.data();
+  const float rt = 1.0f / t;
+#pragma omp simd
   for (int64_t v = 0; v < V; ++v) {
     const float x = logits[v];
-    s[v] = x > kMasked ? std::min(x / t, kMaxS) : kMasked;  // also maps NaN to masked, and +inf to kMaxS
+    s[v] = x > kMasked ? std::min(x * rt, kMaxS) : kMasked;  // also maps NaN to masked, and +inf to kMaxS
   }
   float m = kMasked;
-  int64_t arg = 0;
-  for (int64_t v = 0; v < V; ++v)
-    if (s[v] > m) m = s[v], arg = v;
-  if (m <= kMasked) return arg;  // every token masked: nothing to draw from
+#pragma omp simd reduction(max : m)
+  for (int64_t v = 0; v < V; ++v) m = s[v] > m ? s[v] : m;  // (GCC leaves std::max here scalar)
+  if (m <= kMasked) return 0;  // every token masked: nothing to draw from
+  int64_t arg = 0;  // the first of the largest
+  while (s[arg] != m) ++arg;
   // s relative to its max from here on, stored: under -ffast-math `s - m + g` may be computed as `(s + g) - m`,
   // which loses the noise where s is large (a penalty near 0 makes it 1e30). A token 1e30 below the max is masked.
+#pragma omp simd
   for (int64_t v = 0; v < V; ++v) s[v] = s[v] > kMasked ? s[v] - m : kMasked;
   m = 0.0f;
   // kept: s > cut_s, or s == cut_s and v <= cut_v (top-k / top-p); and s >= min_s (min-p: p < min_p * p_max out)
@@ -132,15 +191,31 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   if (top_k < V || top_p < 1.0f) std::tie(cut_s, cut_v) = last_kept(w, V, m, top_k, top_p);
   const float min_s = std::max(min_p > 0.0f ? m + std::log(min_p) : kMasked, kMasked);
   auto kept = [&](int64_t v) { return s[v] > kMasked && s[v] >= min_s && (s[v] > cut_s || (s[v] == cut_s && v <= cut_v)); };
+  // every block's largest s and the bound on its tokens' scores: that s plus the block's largest noise (from its
+  // largest u, one log pair per block instead of one per token, the blocks' logs vectorized)
+  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  float* top = w.top.data();
+  float* bound = w.bound.data();
+  uint32_t* ubits = w.ubits.data();
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t v0 = j * kBlock, n = std::min(kBlock, V - v0);
+    float t = kMasked;
+#pragma omp simd reduction(max : t)
+    for (int64_t i = 0; i < n; ++i) t = s[v0 + i] > t ? s[v0 + i] : t;
+    top[j] = t;
+    ubits[j] = max_u_bits(h, v0, n);
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < blocks; ++j) bound[j] = top[j] - m + gumbel_of(ubits[j]);
   float* g = w.g.data();
   gumbel(h, arg, 1, g);  // the likeliest token first: most others are then ruled out without their noise
   float best = g[0];
   int64_t winner = arg;
-  for (int64_t v0 = 0; v0 < V; v0 += kBlock) {
-    const int64_t n = std::min(kBlock, V - v0);
-    float top = kMasked;
-    for (int64_t i = 0; i < n; ++i) top = std::max(top, s[v0 + i]);
-    if (top - m + kMaxGumbel <= best) continue;  // no token of the block can win
+  for (int64_t j = 0; j < blocks; ++j) {
+    // no token of the block can win: none is kept (top-k / top-p, min-p), or even its largest noise cannot lift
+    // its best one past `best` (kSlack covers the vector and scalar logs' rounding)
+    if (top[j] < cut_s || top[j] < min_s || bound[j] + kSlack <= best) continue;
+    const int64_t v0 = j * kBlock, n = std::min(kBlock, V - v0);
     gumbel(h, v0, n, g);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t v = v0 + i;
@@ -245,10 +320,8 @@ at::Tensor sample_race_cpu(const at::Tensor& logits, const at::Tensor& temperatu
   const float* lp = l.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, S, 1, [&](int64_t b, int64_t e) {
-    Row w;
-    w.s.resize(V);
-    w.p.resize(V);
-    w.g.resize(kBlock);
+    thread_local Row w;
+    w.fit(V);
     for (int64_t r = b; r < e; ++r) {
       const int64_t seed = sd.data_ptr<int64_t>()[r];
       const uint32_t lo = static_cast<uint32_t>(seed), hi = static_cast<uint32_t>(seed >> 32);  // arithmetic shift
