@@ -23,7 +23,7 @@ The pieces, in request order:
   llguidance's threads); the sampler sets the other logits of those rows to -inf. Rows without one cost nothing.
 - after sampling, `Matcher.advance(token)`; when the grammar is complete the request ends (finish reason "stop").
   EOS is in the mask only where the grammar accepts. A complete grammar ends the request even before
-  `min_new_tokens`; a `stop_token_ids` token can come only where the grammar allows it as text; stop strings cut
+  `min_new_tokens` (where the grammar allows nothing but what their ban takes away, the ban yields); a `stop_token_ids` token can come only where the grammar allows it as text; stop strings cut
   the constrained text as any other (the answer is then a prefix).
 
 A preempted sequence keeps its matcher: preemption frees only KV blocks, and the recomputed tokens are not sampled
@@ -130,8 +130,8 @@ class Matcher:
         if not self._m.consume_token(token):
             why = self._m.get_error().strip().splitlines()[0]
             raise ValidationError(self.field, f"the output cannot go on within the constraint with this model's "
-                                              f"tokens (token {token} refused: {_short(why, 200)}); does it need "
-                                              "a character that this tokenizer cannot write?")
+                                              f"tokens (token {token} refused: {_short(why, 200)}); e.g. it needs a "
+                                              "character that this tokenizer cannot write")
         return self._m.is_stopped()
 
     def replay(self, tokens: list[int]) -> None:

@@ -74,6 +74,14 @@ def kv_row(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + 4 if dtype == torch.int8 else head_dim
 
 
+
+def _allows_besides(row_bits: np.ndarray, ids: list[int]) -> bool:
+    """Whether a constraint's bitmask row ([ceil(V / 32)] int32) allows a token outside `ids`."""
+    row = row_bits.view(np.uint32).copy()
+    for t in ids:
+        row[t >> 5] &= ~np.uint32(1 << (t & 31))
+    return bool(row.any())
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, eos_token_ids: tuple, vocab_size: int, tp_group=None, attention: str = "torch"):
@@ -298,6 +306,11 @@ class ModelRunner:
         if sb.has_min_tokens:
             banned = [(list(self.eos) if not p.ignore_eos else []) + list(p.stop_token_ids)
                       if s.num_generated < p.min_new_tokens else [] for s, p in zip(seqs, ps)]
+            # a grammar that allows nothing the ban leaves (it is complete: only EOS may follow) ends its request:
+            # a complete grammar ends a request even before min_new_tokens
+            for c, i in enumerate(sb.constrained):
+                if banned[i] and not _allows_besides(bits[c], banned[i]):
+                    banned[i] = []
             if any(banned):
                 sb.banned = pad_ids(banned, dev)
         return sb

@@ -98,6 +98,19 @@ def test_a_constraint_this_vocabulary_cannot_write_ends_its_request_alone(pipe):
     assert not pipe.engine.has_unfinished()
 
 
+def test_min_new_tokens_yield_to_a_grammar_that_only_ends(pipe):
+    """A grammar that accepts only what was written so far (here: nothing) leaves EOS alone in its mask; the ban
+    of EOS and stop ids before min_new_tokens then left no token (the sampler fell on token 0 and the matcher
+    refused it). A complete grammar ends its request before min_new_tokens, as documented; one that can go on
+    still honours them."""
+    eos = pipe.tokenizer.eos_token_id
+    for kwargs in ({"grammar": 'root ::= ""'}, {"regex": "x{0}", "stop_token_ids": [5]}):
+        o = pipe("x", max_new_tokens=8, min_new_tokens=3, **kwargs)[0]
+        assert (o.generated_text, o.token_ids, o.finish_reason) == ("", [eos], "stop"), (kwargs, o)
+    o = pipe("x", max_new_tokens=8, min_new_tokens=2, regex="(ab)?", do_sample=False)[0]
+    assert o.generated_text == "ab" and o.finish_reason == "stop"  # "" was acceptable too: EOS waited
+
+
 def test_constrained_rows_leave_the_others_alone(pipe):
     """Greedy fp32: the unconstrained outputs of a batch with constrained requests equal those of a run without
     them (the mask touches only its own rows)."""
