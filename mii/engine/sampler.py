@@ -91,6 +91,33 @@ def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
+    """Repetition (vLLM's: on every token of the prompt and the output), frequency and presence (OpenAI's: on the
+    output's) penalties; a new tensor. On the CPU only the tokens that occur are touched (O(tokens) per row, not
+    O(V)); elsewhere dense [S, V] ops, which need no host sync. Both compute each logit the same way."""
+    if logits.device.type != "cpu":
+        return _penalties_dense(logits, pen)
+    return apply_penalties_(logits.clone(), pen)
+
+
+def apply_penalties_(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
+    """`apply_penalties` in place, on the CPU."""
+    rep, presence, frequency, prompt_ids, output_ids = pen
+    S, V = logits.shape
+    rows = torch.arange(S).unsqueeze(1)
+
+    def occurring(ids):  # the distinct (row, id) pairs among ids (padded with -1), with their counts
+        flat, counts = torch.unique((rows * V + ids)[ids >= 0], return_counts=True)
+        return flat // V, flat % V, counts
+
+    r, v, _ = occurring(torch.cat([prompt_ids, output_ids], 1))
+    x, k = logits[r, v], rep[r]
+    logits[r, v] = torch.where(x > 0, (x / k).clamp(max=torch.finfo(x.dtype).max), x * k)
+    r, v, counts = occurring(output_ids)
+    logits[r, v] = logits[r, v] - frequency[r] * counts.to(logits.dtype) - presence[r]
+    return logits
+
+
+def _penalties_dense(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
     rep, presence, frequency, prompt_ids, output_ids = pen
     V = logits.shape[1]
     out_counts = _counts(output_ids, V)
@@ -141,11 +168,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     (before penalties, logit_bias and constraints)."""
     kernel = race_kernel(logits)
     plain = sb.penalties is None and sb.logit_bias is None and sb.banned is None and sb.allowed is None
+    given = logits
     if not (kernel and plain and sb.all_greedy and sb.logprobs < 0):  # else argmax_rows reads them as they are
         logits = logits.float()
     raw = logits
     if sb.penalties is not None:
-        logits = apply_penalties(logits, sb.penalties)
+        if logits.device.type == "cpu" and logits is not given and sb.logprobs < 0:  # our own copy, not needed raw
+            logits = apply_penalties_(logits, sb.penalties)
+        else:
+            logits = apply_penalties(logits, sb.penalties)
     if sb.logit_bias is not None:
         rows, ids, bias = sb.logit_bias
         logits = logits.index_put((rows, ids), bias, accumulate=True)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from mii import kernels
-from mii.engine.sampler import SamplingBatch, apply_penalties, exponential_noise, sample, sample_torch
+from mii.engine.sampler import (SamplingBatch, _penalties_dense, apply_penalties, apply_penalties_, exponential_noise,
+                                sample, sample_torch)
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
                                 reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
@@ -156,3 +157,23 @@ def test_a_repetition_penalty_near_zero_keeps_logits_finite():
     out = apply_penalties(logits, pen)
     assert torch.isfinite(out).all() and out[0, 0] == torch.finfo(torch.float32).max
     assert out[0, 1] == 0 and out[0, 2] == 0 and out[0, 3] == 3.0  # (negative ones are multiplied: -0)
+
+
+def test_penalties_on_the_tokens_that_occur_equal_the_dense_ones():
+    """The CPU's sparse penalties (only the ids that occur) give every logit bit for bit what the dense [S, V] form
+    (the GPU's) gives: repeated ids, ids in both the prompt and the output, -1 padding, rows with no ids."""
+    g = torch.Generator().manual_seed(3)
+    S, V = 6, 500
+    logits = torch.randn(S, V, generator=g) * 4
+    prompt = torch.randint(0, 40, (S, 30), generator=g)  # a small range: many repeats, shared with the output
+    output = torch.randint(0, 40, (S, 25), generator=g)
+    prompt[1, 10:] = -1
+    output[2, 5:] = -1
+    prompt[3], output[3] = -1, -1
+    pen = (torch.tensor([1.3, 0.7, 1.0, 2.0, 1e-40, 1.1]), torch.tensor([0.5, -1.0, 2.0, 0.0, 0.3, -2.0]),
+           torch.tensor([0.25, 1.5, -0.5, 1.0, 0.0, 2.0]), prompt, output)
+    dense = _penalties_dense(logits, pen)
+    assert torch.equal(apply_penalties(logits, pen), dense)
+    assert not torch.equal(dense, logits)
+    mine = logits.clone()
+    assert apply_penalties_(mine, pen) is mine and torch.equal(mine, dense)
