@@ -100,7 +100,16 @@ def apply_penalties(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
 
 
 def apply_penalties_(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
-    """`apply_penalties` in place, on the CPU."""
+    """`apply_penalties` in place on CPU float32 logits: mii's kernel (one pass over each row's ids), or the same
+    by tensor ops on the distinct ids."""
+    rep, presence, frequency, prompt_ids, output_ids = pen
+    if kernels.cpu_op("penalize_") and logits.dtype == torch.float32 and logits.is_contiguous():
+        torch.ops.mii.penalize_(logits, rep, presence, frequency, prompt_ids, output_ids)
+        return logits
+    return _penalties_sparse_(logits, pen)
+
+
+def _penalties_sparse_(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
     rep, presence, frequency, prompt_ids, output_ids = pen
     S, V = logits.shape
     rows = torch.arange(S).unsqueeze(1)

@@ -12,8 +12,9 @@
   layouts) and whose math is fp32: decode streams 2-4x fewer bytes than bf16 (`quant_cpu.cpp`); `mii::quant_rows`,
   rows of such a weight dequantized (the embedding lookup of a tied, quantized LM head);
 - `mii::sample_race`: the sampled rows of a step (temperature, top-k, top-p, min-p, the seeded exponential race)
-  in one pass over each row, drawing what the torch sampler draws, and `mii::argmax_rows`, the greedy rows'
-  tokens straight from bf16 logits (`sampler_cpu.cpp`);
+  in one pass over each row, drawing what the torch sampler draws, `mii::argmax_rows`, the greedy rows'
+  tokens straight from bf16 logits, and `mii::penalize_`, the repetition, frequency and presence penalties on
+  the ids that occur, in place (`sampler_cpu.cpp`);
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
   MLP) in one call, running the kernels above in the eager order without the Python between them, on the
   parameters, caches and windows that `mii::stack_params` holds for it between steps (`decoder_cpu.cpp`), and
@@ -63,6 +64,8 @@ _lib.define("quant_rows(Tensor weight, Tensor ids, ScalarType? dtype=None) -> Te
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
+_lib.define("penalize_(Tensor(a!) logits, Tensor rep, Tensor presence, Tensor frequency, Tensor prompt_ids, "
+            "Tensor output_ids) -> ()")
 _lib.define("tiled_rows(Tensor tiles, Tensor ids) -> Tensor")
 _lib.define("stack_params(Tensor[] params, Tensor[] caches, int[] windows) -> Tensor")
 _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor stack, Tensor slot_mapping, Tensor query_start, "

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -333,7 +334,66 @@ at::Tensor sample_race_cpu(const at::Tensor& logits, const at::Tensor& temperatu
   return out;
 }
 
+// A penalized logit computed as torch computes it (a true division, no fused multiply-add): the file is built with
+// -ffast-math, which would turn x / k into x * (1 / k) and fuse the subtractions.
+__attribute__((optimize("no-fast-math"), noinline)) float repeated(float x, float k) {
+  return x > 0 ? std::min(x / k, FLT_MAX) : x * k;
+}
+__attribute__((optimize("no-fast-math", "fp-contract=off"), noinline)) float counted(float x, float f, float n,
+                                                                                      float p) {
+  return x - f * n - p;
+}
+
+// logits [S, V] float, in place; per row: rep, presence, frequency; prompt_ids [S, P] and output_ids [S, O] (long,
+// -1 padding). vLLM's repetition penalty once on every distinct id of the prompt and the output (a positive logit
+// divided by it, up to the largest float; the others multiplied), then OpenAI's frequency (× the id's count in the
+// output) and presence penalties subtracted: what sampler.py's dense form computes, O(ids) per row, not O(V).
+void penalize_cpu(at::Tensor& logits, const at::Tensor& rep, const at::Tensor& presence, const at::Tensor& frequency,
+                  const at::Tensor& prompt_ids, const at::Tensor& output_ids) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "penalize_: logits must be contiguous float [S, V]");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(prompt_ids.dim() == 2 && output_ids.dim() == 2 && prompt_ids.size(0) == S && output_ids.size(0) == S,
+              "penalize_: ids must be [S, n]");
+  const at::Tensor rp = rep.to(at::kFloat).contiguous(), pp = presence.to(at::kFloat).contiguous();
+  const at::Tensor fp = frequency.to(at::kFloat).contiguous();
+  const at::Tensor pi = prompt_ids.to(at::kLong).contiguous(), oi = output_ids.to(at::kLong).contiguous();
+  const int64_t P = pi.size(1), O = oi.size(1);
+  float* const lp = logits.data_ptr<float>();
+  at::parallel_for(0, S, 1, [&](int64_t b, int64_t e) {
+    thread_local std::vector<int32_t> count;  // per id: its count in the output (back to 0 after each row)
+    thread_local std::vector<uint8_t> seen;   // per id: penalized already in this row (likewise)
+    if (static_cast<int64_t>(count.size()) < V) count.assign(V, 0), seen.assign(V, 0);
+    for (int64_t r = b; r < e; ++r) {
+      float* const l = lp + r * V;
+      const int64_t* const prompt = pi.data_ptr<int64_t>() + r * P;
+      const int64_t* const output = oi.data_ptr<int64_t>() + r * O;
+      const float k = rp.data_ptr<float>()[r], f = fp.data_ptr<float>()[r], pr = pp.data_ptr<float>()[r];
+      const auto repeat = [&](int64_t id) {
+        if (id < 0 || id >= V || seen[id]) return;
+        seen[id] = 1;
+        l[id] = repeated(l[id], k);
+      };
+      for (int64_t i = 0; i < P; ++i) repeat(prompt[i]);
+      for (int64_t i = 0; i < O; ++i) repeat(output[i]);
+      for (int64_t i = 0; i < O; ++i)
+        if (output[i] >= 0 && output[i] < V) ++count[output[i]];
+      for (int64_t i = 0; i < O; ++i) {
+        const int64_t id = output[i];
+        if (id < 0 || id >= V || !count[id]) continue;
+        l[id] = counted(l[id], f, static_cast<float>(count[id]), pr);
+        count[id] = 0;
+      }
+      for (int64_t i = 0; i < P; ++i)
+        if (prompt[i] >= 0 && prompt[i] < V) seen[prompt[i]] = 0;
+      for (int64_t i = 0; i < O; ++i)
+        if (output[i] >= 0 && output[i] < V) seen[output[i]] = 0;
+    }
+  });
+}
+
 TORCH_LIBRARY_IMPL(mii, CPU, m) {
   m.impl("sample_race", &sample_race_cpu);
   m.impl("argmax_rows", &argmax_rows_cpu);
+  m.impl("penalize_", &penalize_cpu);
 }
