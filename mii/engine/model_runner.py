@@ -18,7 +18,7 @@ import torch
 
 from mii.engine.constraints import fill_bitmask
 from mii.engine.kv_memory import KVPrefault, zeros_lazy
-from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample, unpack_bitmask
+from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample, token_logprobs, unpack_bitmask
 from mii.engine.scheduler import ScheduledBatch
 from mii.errors import ValidationError
 from mii.layers.attention import AttentionContext, AttentionGroup
@@ -391,11 +391,9 @@ def _prompt_logprobs(logits: torch.Tensor, batch: ScheduledBatch) -> dict:
     spans = [(batch.chunks[i].seq, a, b) for i, a, b in _prompt_spans(batch)]
     targets = torch.tensor([t for seq, a, b in spans for t in seq.prompt_ids[a + 1: b + 1]], dtype=torch.long,
                            device=logits.device)
-    lp = logits.float().log_softmax(dim=-1)                                     # [P, V]
-    chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()             # [P]
     k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
-    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [P, k]
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    chosen, top_lp, top_ids = token_logprobs(logits, targets, k)                 # [P], [P, k], [P, k]
+    chosen, top_lp, top_ids = chosen.tolist(), top_lp.tolist(), top_ids.tolist()
     out, row = {}, 0
     for seq, a, b in spans:
         kk = seq.params.prompt_logprobs

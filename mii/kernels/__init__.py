@@ -13,8 +13,9 @@
   rows of such a weight dequantized (the embedding lookup of a tied, quantized LM head);
 - `mii::sample_race`: the sampled rows of a step (temperature, top-k, top-p, min-p, the seeded exponential race)
   in one pass over each row, drawing what the torch sampler draws, `mii::argmax_rows`, the greedy rows'
-  tokens straight from bf16 logits, and `mii::penalize_`, the repetition, frequency and presence penalties on
-  the ids that occur, in place (`sampler_cpu.cpp`);
+  tokens straight from bf16 logits, `mii::penalize_`, the repetition, frequency and presence penalties on the
+  ids that occur, in place, and `mii::logprobs_rows`, rows' log-probabilities of a target and their top k
+  without the [N, V] log-softmax (`sampler_cpu.cpp`);
 - `mii::decoder_stack`: all the pre-norm decoder layers of a step (RMSNorm, qkv, rotary, attention, o, gated SiLU
   MLP) in one call, running the kernels above in the eager order without the Python between them, on the
   parameters, caches and windows that `mii::stack_params` holds for it between steps (`decoder_cpu.cpp`), and
@@ -64,6 +65,7 @@ _lib.define("quant_rows(Tensor weight, Tensor ids, ScalarType? dtype=None) -> Te
 _lib.define("sample_race(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
             "Tensor steps) -> Tensor")
 _lib.define("argmax_rows(Tensor logits) -> Tensor")
+_lib.define("logprobs_rows(Tensor logits, Tensor targets, int k) -> (Tensor, Tensor, Tensor)")
 _lib.define("penalize_(Tensor(a!) logits, Tensor rep, Tensor presence, Tensor frequency, Tensor prompt_ids, "
             "Tensor output_ids) -> ()")
 _lib.define("tiled_rows(Tensor tiles, Tensor ids) -> Tensor")
@@ -125,6 +127,13 @@ def _(tiles, ids):
     from mii.layers.linear import bf16w_rows
 
     return tiles.new_empty(*ids.shape, tiles.numel() // bf16w_rows(tiles))
+
+
+@torch.library.register_fake("mii::logprobs_rows")
+def _(logits, targets, k):
+    n = logits.shape[0]
+    return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.float32),
+            logits.new_empty(n, k, dtype=torch.long))
 
 
 @torch.library.register_fake("mii::argmax_rows")

@@ -6,7 +6,7 @@ import torch
 
 from mii import kernels
 from mii.engine.sampler import (SamplingBatch, _penalties_dense, _penalties_sparse_, apply_penalties, apply_penalties_,
-                                exponential_noise, sample, sample_torch)
+                                exponential_noise, sample, sample_torch, token_logprobs)
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
                                 reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
@@ -179,3 +179,25 @@ def test_penalties_on_the_tokens_that_occur_equal_the_dense_ones():
     mine = logits.clone()
     assert apply_penalties_(mine, pen) is mine and torch.equal(mine, dense)
     assert torch.equal(_penalties_sparse_(logits.clone(), pen), dense)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_logprobs_rows_are_log_softmax_and_its_top_k(dtype, k):
+    """mii::logprobs_rows against torch's log_softmax and topk: the target's logprob and the top k's values equal
+    within float rounding, the ids hold those values, descending, ties (many in bf16) with the lower id first."""
+    g = torch.Generator().manual_seed(k)
+    logits = (torch.randn(7, 3001, generator=g) * 4).to(dtype)
+    targets = torch.tensor([0, 3000, 17, 5, 5, 2999, 1234])
+    chosen, top, ids = torch.ops.mii.logprobs_rows(logits, targets, k)
+    lp = logits.float().log_softmax(-1)
+    torch.testing.assert_close(chosen, lp.gather(1, targets[:, None]).squeeze(1), rtol=0, atol=5e-6)
+    assert top.shape == ids.shape == (7, k)
+    torch.testing.assert_close(top, lp.topk(k, -1).values, rtol=0, atol=5e-6)
+    torch.testing.assert_close(lp.gather(1, ids), top, rtol=0, atol=5e-6)
+    for row_v, row_i in zip(top.tolist(), ids.tolist()):
+        assert len(set(row_i)) == k
+        for j in range(1, k):
+            assert row_v[j - 1] > row_v[j] or (row_v[j - 1] == row_v[j] and row_i[j - 1] < row_i[j])
+    # the sampler's and the prompt scorer's entry point takes the same path
+    assert torch.equal(token_logprobs(logits, targets, k)[2], ids)
