@@ -178,7 +178,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     kernel = race_kernel(logits)
     plain = sb.penalties is None and sb.logit_bias is None and sb.banned is None and sb.allowed is None
     given = logits
-    if not (kernel and plain and sb.all_greedy and sb.logprobs < 0):  # else argmax_rows reads them as they are
+    if not (kernel and plain and sb.all_greedy):  # else argmax_rows (and logprobs_rows) read them as they are
         logits = logits.float()
     raw = logits
     if sb.penalties is not None:
