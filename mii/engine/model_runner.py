@@ -333,6 +333,7 @@ class ModelRunner:
             seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long).to(dev, non_blocking=True),
             steps=None,
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             needs_sort=any(r and (p.top_p < 1.0 or bool(p.top_k)) for r, p in zip(sampled_rows, ps)),
             any_min_p=any(r and p.min_p > 0 for r, p in zip(sampled_rows, ps)),
             logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),

@@ -73,6 +73,7 @@ class SamplingBatch:
     constrained: tuple = ()       # rows with a constraint (mii.engine.constraints), on the host
     constrained_rows: Optional[torch.Tensor] = None  # [C] long: the same rows, on the device
     allowed: Optional[torch.Tensor] = None  # [C, V] bool: the tokens those rows' constraints allow next
+    any_greedy: bool = True       # some row is greedy (False: the sampled tokens are the step's, no argmax)
 
 
 @dataclass
@@ -178,7 +179,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     kernel = race_kernel(logits)
     plain = sb.penalties is None and sb.logit_bias is None and sb.banned is None and sb.allowed is None
     given = logits
-    if not (kernel and plain and sb.all_greedy):  # else argmax_rows (and logprobs_rows) read them as they are
+    if not (kernel and plain):  # else mii's kernels read them as they are (bf16 too)
         logits = logits.float()
     raw = logits
     if sb.penalties is not None:
@@ -195,14 +196,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
         logits = logits.masked_fill(mask, float("-inf"))
     if sb.allowed is not None:
         logits = apply_allowed(logits, sb.constrained_rows, sb.allowed)
-    tokens = torch.ops.mii.argmax_rows(logits) if kernel else logits.argmax(dim=-1)
+    if sb.any_greedy:
+        tokens = torch.ops.mii.argmax_rows(logits) if kernel else logits.argmax(dim=-1)
     if not sb.all_greedy:
         if kernel:
             sampled = torch.ops.mii.sample_race(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seeds,
                                                 sb.steps)
         else:
             sampled = sample_torch(logits, sb)
-        tokens = torch.where(sb.greedy, tokens, sampled)
+        tokens = torch.where(sb.greedy, tokens, sampled) if sb.any_greedy else sampled
     out = SamplerOutput(tokens.tolist())
     if sb.logprobs >= 0:
         chosen, top_lp, top_ids = token_logprobs(raw, tokens, sb.logprobs)

@@ -165,14 +165,15 @@ std::pair<float, int64_t> last_kept(Row& w, int64_t V, float m, int64_t top_k, f
   return {kMasked, V};  // not reached: the last bin always decides
 }
 
-int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p, float min_p,
+template <typename T>  // float, or bf16 read as it is (no float copy of the logits)
+int64_t sample_row(const T* logits, int64_t V, float temperature, int64_t top_k, float top_p, float min_p,
                    uint32_t h, Row& w) {
   const float t = std::max(temperature, 1e-5f);
   float* s = w.s.data();
   const float rt = 1.0f / t;
 #pragma omp simd
   for (int64_t v = 0; v < V; ++v) {
-    const float x = logits[v];
+    const float x = static_cast<float>(logits[v]);
     s[v] = x > kMasked ? std::min(x * rt, kMaxS) : kMasked;  // also maps NaN to masked, and +inf to kMaxS
   }
   float m = kMasked;
@@ -385,19 +386,22 @@ at::Tensor argmax_rows_cpu(const at::Tensor& logits) {
   return out;
 }
 
-// logits [S, V] (float), per row: temperature, top_k (long), top_p, min_p, seeds (long), steps (long) -> [S] long
+// logits [S, V] (float or bf16, others as float), per row: temperature, top_k (long), top_p, min_p, seeds (long),
+// steps (long) -> [S] long
 at::Tensor sample_race_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                            const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
                            const at::Tensor& steps) {
   TORCH_CHECK(logits.dim() == 2, "sample_race: logits must be [S, V]");
-  const at::Tensor l = logits.to(at::kFloat).contiguous();
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const at::Tensor l = bf16 ? logits.contiguous() : logits.to(at::kFloat).contiguous();
   const at::Tensor t = temperature.to(at::kFloat).contiguous(), tp = top_p.to(at::kFloat).contiguous();
   const at::Tensor mp = min_p.to(at::kFloat).contiguous();
   const at::Tensor tk = top_k.to(at::kLong).contiguous(), sd = seeds.to(at::kLong).contiguous();
   const at::Tensor st = steps.to(at::kLong).contiguous();
   const int64_t S = l.size(0), V = l.size(1);
   auto out = at::empty({S}, l.options().dtype(at::kLong));
-  const float* lp = l.data_ptr<float>();
+  const float* lp = bf16 ? nullptr : l.data_ptr<float>();
+  const c10::BFloat16* lb = bf16 ? l.data_ptr<c10::BFloat16>() : nullptr;
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, S, 1, [&](int64_t b, int64_t e) {
     thread_local Row w;
@@ -406,8 +410,10 @@ at::Tensor sample_race_cpu(const at::Tensor& logits, const at::Tensor& temperatu
       const int64_t seed = sd.data_ptr<int64_t>()[r];
       const uint32_t lo = static_cast<uint32_t>(seed), hi = static_cast<uint32_t>(seed >> 32);  // arithmetic shift
       const uint32_t h = mix32(lo ^ mix32(hi) ^ mix32(static_cast<uint32_t>(st.data_ptr<int64_t>()[r] + 0x2545F491LL)));
-      op[r] = sample_row(lp + r * V, V, t.data_ptr<float>()[r], tk.data_ptr<int64_t>()[r], tp.data_ptr<float>()[r],
-                         mp.data_ptr<float>()[r], h, w);
+      const float temp = t.data_ptr<float>()[r], top_p_r = tp.data_ptr<float>()[r], min_p_r = mp.data_ptr<float>()[r];
+      const int64_t top_k_r = tk.data_ptr<int64_t>()[r];
+      op[r] = bf16 ? sample_row(lb + r * V, V, temp, top_k_r, top_p_r, min_p_r, h, w)
+                   : sample_row(lp + r * V, V, temp, top_k_r, top_p_r, min_p_r, h, w);
     }
   });
   return out;

@@ -91,6 +91,11 @@ def test_sample_uses_the_kernel_and_keeps_greedy_rows():
     race = _race(logits, sb)
     for r in range(6):
         assert out[r] == (logits[r].argmax().item() if sb.greedy[r] else race[r].item())
+    # every row sampled (no argmax), from bf16 logits read as they are: what the race draws from their float values
+    every = _batch(6, 300, temperature=1.0, top_p=0.9)
+    every.any_greedy = False
+    half = logits.bfloat16()
+    assert sample(half, every).tokens == _race(half, every).tolist() == _race(half.float(), every).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
