@@ -23,8 +23,9 @@ The pieces, in request order:
   llguidance's threads); the sampler sets the other logits of those rows to -inf. Rows without one cost nothing.
 - after sampling, `Matcher.advance(token)`; when the grammar is complete the request ends (finish reason "stop").
   EOS is in the mask only where the grammar accepts. A complete grammar ends the request even before
-  `min_new_tokens` (where the grammar allows nothing but what their ban takes away, the ban yields); a `stop_token_ids` token can come only where the grammar allows it as text; stop strings cut
-  the constrained text as any other (the answer is then a prefix).
+  `min_new_tokens` (where the grammar allows nothing but what their ban takes away, the ban yields); a
+  `stop_token_ids` token can come only where the grammar allows it as text; stop strings cut the constrained text
+  as any other (the answer is then a prefix).
 
 A preempted sequence keeps its matcher: preemption frees only KV blocks, and the recomputed tokens are not sampled
 again, so the matcher, which has consumed exactly the generated tokens, stays right (`Matcher.replay` rebuilds one

@@ -74,13 +74,13 @@ def kv_row(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + 4 if dtype == torch.int8 else head_dim
 
 
-
 def _allows_besides(row_bits: np.ndarray, ids: list[int]) -> bool:
     """Whether a constraint's bitmask row ([ceil(V / 32)] int32) allows a token outside `ids`."""
     row = row_bits.view(np.uint32).copy()
     for t in ids:
         row[t >> 5] &= ~np.uint32(1 << (t & 31))
     return bool(row.any())
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,

@@ -60,7 +60,8 @@ inline void gumbel(uint32_t h, int64_t v0, int64_t n, float* g) {
 inline uint32_t max_u_bits(uint32_t h, int64_t v0, int64_t n) {
   uint32_t top = 0;
 #pragma omp simd reduction(max : top)
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, mix32(h ^ mix32(static_cast<uint32_t>(v0 + i) + 0x61C88647u)) >> 9);
+  for (int64_t i = 0; i < n; ++i)
+    top = std::max(top, mix32(h ^ mix32(static_cast<uint32_t>(v0 + i) + 0x61C88647u)) >> 9);
   return top;
 }
 
