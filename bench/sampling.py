@@ -1,6 +1,6 @@
 """What sampling costs next to greedy decoding, in one run: per row, `mii::sample_race` (the CPU kernel) against the
 torch path (`sample_torch`) on logits captured from the model's own decode steps, for MII's default (top_p 0.9),
-temperature alone, top_k and min_p; the penalties' work per step, the CPU's sparse form against the dense one; and end
+temperature alone, top_k and min_p; the penalties' work per step, mii::penalize_ against the dense form; and end
 to end, decode tokens/s of sampled, penalized and logprobs requests as ratios of the same engine's greedy decode, at
 1 and 64 rows, alternated round by round so the machine's drift hits all alike. Ratios are the result: absolute
 numbers depend on the machine and its load.
@@ -17,7 +17,7 @@ import torch
 
 import mii
 import mii.engine.model_runner as model_runner
-from mii.engine.sampler import SamplingBatch, _penalties_dense, apply_penalties_, sample_torch
+from mii.engine.sampler import SamplingBatch, _penalties_dense, apply_penalties, sample_torch
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "What is the capital of France?",
            "def fibonacci(n):", "List three colors and what they mean."]
@@ -80,13 +80,13 @@ def kernel_vs_torch(logits: torch.Tensor) -> None:
 
 def penalties(V: int) -> None:
     print("penalties per step (repetition on 128 prompt + 64 output ids, frequency and presence on the output's): "
-          "the CPU's sparse form against the dense one")
+          "mii::penalize_ against the dense form")
     g = torch.Generator().manual_seed(0)
     for S in (1, 64):
         pen = (torch.full((S,), 1.1), torch.full((S,), 0.5), torch.full((S,), 0.3),
                torch.randint(0, V, (S, 128), generator=g), torch.randint(0, V, (S, 64), generator=g))
         logits = torch.randn(S, V, generator=g)
-        sparse = best_of(lambda: apply_penalties_(logits.clone(), pen)) - best_of(lambda: logits.clone())
+        sparse = best_of(lambda: apply_penalties(logits, pen)) - best_of(lambda: logits.clone())
         dense = best_of(lambda: _penalties_dense(logits, pen))
         print(f"  {S:2} row(s): {1e3 * sparse:6.2f} ms against {1e3 * dense:6.2f} ms ({dense / sparse:5.1f}x)")
 

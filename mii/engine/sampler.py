@@ -91,40 +91,16 @@ def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, pen: tuple, in_place: bool = False) -> torch.Tensor:
     """Repetition (vLLM's: on every token of the prompt and the output), frequency and presence (OpenAI's: on the
-    output's) penalties; a new tensor. On the CPU only the tokens that occur are touched (O(tokens) per row, not
-    O(V)); elsewhere dense [S, V] ops, which need no host sync. Both compute each logit the same way."""
-    if logits.device.type != "cpu":
-        return _penalties_dense(logits, pen)
-    return apply_penalties_(logits.clone(), pen)
-
-
-def apply_penalties_(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
-    """`apply_penalties` in place on CPU float32 logits: mii's kernel (one pass over each row's ids), or the same
-    by tensor ops on the distinct ids."""
-    rep, presence, frequency, prompt_ids, output_ids = pen
-    if kernels.cpu_op("penalize_") and logits.dtype == torch.float32 and logits.is_contiguous():
-        torch.ops.mii.penalize_(logits, rep, presence, frequency, prompt_ids, output_ids)
-        return logits
-    return _penalties_sparse_(logits, pen)
-
-
-def _penalties_sparse_(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
-    rep, presence, frequency, prompt_ids, output_ids = pen
-    S, V = logits.shape
-    rows = torch.arange(S).unsqueeze(1)
-
-    def occurring(ids):  # the distinct (row, id) pairs among ids (padded with -1), with their counts
-        flat, counts = torch.unique((rows * V + ids)[ids >= 0], return_counts=True)
-        return flat // V, flat % V, counts
-
-    r, v, _ = occurring(torch.cat([prompt_ids, output_ids], 1))
-    x, k = logits[r, v], rep[r]
-    logits[r, v] = torch.where(x > 0, (x / k).clamp(max=torch.finfo(x.dtype).max), x * k)
-    r, v, counts = occurring(output_ids)
-    logits[r, v] = logits[r, v] - frequency[r] * counts.to(logits.dtype) - presence[r]
-    return logits
+    output's) penalties. On the CPU `mii::penalize_` touches only the tokens that occur (O(ids) per row, not O(V)),
+    in `logits` itself when `in_place`, else in a copy; elsewhere dense [S, V] ops (no host sync), a new tensor.
+    Both compute each logit the same way."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.cpu_op("penalize_"):
+        out = logits if in_place and logits.is_contiguous() else logits.clone(memory_format=torch.contiguous_format)
+        torch.ops.mii.penalize_(out, *pen)
+        return out
+    return _penalties_dense(logits, pen)
 
 
 def _penalties_dense(logits: torch.Tensor, pen: tuple) -> torch.Tensor:
@@ -182,11 +158,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     if not (kernel and plain):  # else mii's kernels read them as they are (bf16 too)
         logits = logits.float()
     raw = logits
-    if sb.penalties is not None:
-        if logits.device.type == "cpu" and logits is not given and sb.logprobs < 0:  # our own copy, not needed raw
-            logits = apply_penalties_(logits, sb.penalties)
-        else:
-            logits = apply_penalties(logits, sb.penalties)
+    if sb.penalties is not None:  # in place where the float copy is ours and the raw logits are not needed after
+        logits = apply_penalties(logits, sb.penalties, in_place=logits is not given and sb.logprobs < 0)
     if sb.logit_bias is not None:
         rows, ids, bias = sb.logit_bias
         logits = logits.index_put((rows, ids), bias, accumulate=True)

@@ -1,11 +1,11 @@
 // mii::sample_race: the sampled rows of a step on CPU, one pass over each row's logits instead of ~15 full-vocabulary
 // tensor ops (and a full sort for top-p / top-k). It draws exactly what mii/engine/sampler.py's torch path draws:
 // the exponential race argmax_v p_v / E_v with E_v = -log(u_v) and u_v the same counter-based hash of (seed, step,
-// vocabulary id), written here as argmax_v (s_v - m - log E_v) over s = logits / temperature, m = max s. A token
-// can only win when s_v - m + max(-log E) > best (u < 1 - 2^-24 bounds the noise), so the noise is computed
-// (vectorized) only for blocks of tokens that could. top-k / top-p keep the most likely tokens: the mass is binned
-// by s - m and only the bin where the kept mass (or count) crosses its limit is sorted, instead of the
-// vocabulary; min-p drops tokens under min_p x the top probability.
+// vocabulary id), written here as argmax_v (s_v - m - log E_v) over s = logits / temperature, m = max s. A block of
+// tokens can only hold the winner when its largest s - m plus its largest noise (found from the hash alone) passes
+// the best score so far, so the noise is computed (vectorized) only for blocks that could. top-k / top-p keep the
+// most likely tokens: the mass is binned by s - m and only the bin where the kept mass (or count) crosses its limit
+// is sorted, instead of the vocabulary; min-p drops tokens under min_p x the top probability.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -36,9 +36,6 @@ inline uint32_t mix32(uint32_t x) {
   x *= 0x5BD1E995u;
   return x ^ (x >> 13);
 }
-
-// the largest value -log(E) can take (u = 1 - 2^-24), with a margin for the rounding of the logs
-const float kMaxGumbel = -std::log(-std::log(1.0f - 0.5f / 8388608.0f)) + 0.01f;
 
 constexpr float kMasked = -1e30f;  // logits at or below this (masked tokens, -inf) never win
 constexpr float kMaxS = 1e30f;     // scaled logits above this (+inf from a penalty near 0) count as this
@@ -71,7 +68,7 @@ inline float gumbel_of(uint32_t bits) {
   return -std::log(-std::log(u));
 }
 
-constexpr float kSlack = 1e-3f;  // more than the vector and scalar logs can differ by, at noise up to kMaxGumbel
+constexpr float kSlack = 1e-3f;  // more than the vector and scalar logs can differ by (the noise is below 17)
 
 // One thread's work space for a row of V tokens, kept between calls (sized, never cleared: every use writes first)
 struct Row {
@@ -92,19 +89,19 @@ struct Row {
 constexpr int kWays = 4;  // interleaved histograms: a run of tokens in one bin is 4 chains of adds, not one
 
 // The last token kept by top-k / top-p, as (s, index) in the order (s descending, index ascending): a token is kept
-// when it comes no later. Tokens are binned by s - m so that only the bin where the kept mass (or count) crosses
-// its limit is sorted.
-std::pair<float, int64_t> last_kept(Row& w, int64_t V, float m, int64_t top_k, float top_p) {
+// when it comes no later. s is relative to its max (0). Tokens are binned by s so that only the bin where the kept
+// mass (or count) crosses its limit is sorted.
+std::pair<float, int64_t> last_kept(Row& w, int64_t V, int64_t top_k, float top_p) {
   const float* s = w.s.data();
   float* p = w.p.data();
   int32_t* bins = w.bins.data();
   double z = 0.0;
 #pragma omp simd reduction(+ : z)
   for (int64_t v = 0; v < V; ++v) {
-    p[v] = std::exp(s[v] - m);
+    p[v] = std::exp(s[v]);
     z += p[v];
-    // s - m is finite and <= 0 (sample_row clamps s), but a NaN here must still land in a bin, not outside them
-    const float d = m - s[v];
+    // s is finite and <= 0 (sample_row clamps it), but a NaN here must still land in a bin, not outside them
+    const float d = -s[v];
     bins[v] = d < kRange ? static_cast<int32_t>(d * (kBins / kRange)) : kBins - 1;
   }
   w.bin_mass.assign(kWays * kBins, 0.0);
@@ -187,12 +184,11 @@ int64_t sample_row(const T* logits, int64_t V, float temperature, int64_t top_k,
   // which loses the noise where s is large (a penalty near 0 makes it 1e30). A token 1e30 below the max is masked.
 #pragma omp simd
   for (int64_t v = 0; v < V; ++v) s[v] = s[v] > kMasked ? s[v] - m : kMasked;
-  m = 0.0f;
   // kept: s > cut_s, or s == cut_s and v <= cut_v (top-k / top-p); and s >= min_s (min-p: p < min_p * p_max out)
   float cut_s = kMasked;
   int64_t cut_v = V;
-  if (top_k < V || top_p < 1.0f) std::tie(cut_s, cut_v) = last_kept(w, V, m, top_k, top_p);
-  const float min_s = std::max(min_p > 0.0f ? m + std::log(min_p) : kMasked, kMasked);
+  if (top_k < V || top_p < 1.0f) std::tie(cut_s, cut_v) = last_kept(w, V, top_k, top_p);
+  const float min_s = std::max(min_p > 0.0f ? std::log(min_p) : kMasked, kMasked);
   auto kept = [&](int64_t v) { return s[v] > kMasked && s[v] >= min_s && (s[v] > cut_s || (s[v] == cut_s && v <= cut_v)); };
   // every block's largest s and the bound on its tokens' scores: that s plus the block's largest noise (from its
   // largest u, one log pair per block instead of one per token, the blocks' logs vectorized)
@@ -202,14 +198,14 @@ int64_t sample_row(const T* logits, int64_t V, float temperature, int64_t top_k,
   uint32_t* ubits = w.ubits.data();
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t v0 = j * kBlock, n = std::min(kBlock, V - v0);
-    float t = kMasked;
-#pragma omp simd reduction(max : t)
-    for (int64_t i = 0; i < n; ++i) t = s[v0 + i] > t ? s[v0 + i] : t;
-    top[j] = t;
+    float most = kMasked;
+#pragma omp simd reduction(max : most)
+    for (int64_t i = 0; i < n; ++i) most = s[v0 + i] > most ? s[v0 + i] : most;
+    top[j] = most;
     ubits[j] = max_u_bits(h, v0, n);
   }
 #pragma omp simd
-  for (int64_t j = 0; j < blocks; ++j) bound[j] = top[j] - m + gumbel_of(ubits[j]);
+  for (int64_t j = 0; j < blocks; ++j) bound[j] = top[j] + gumbel_of(ubits[j]);
   float* g = w.g.data();
   gumbel(h, arg, 1, g);  // the likeliest token first: most others are then ruled out without their noise
   float best = g[0];
@@ -222,7 +218,7 @@ int64_t sample_row(const T* logits, int64_t V, float temperature, int64_t top_k,
     gumbel(h, v0, n, g);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t v = v0 + i;
-      const float score = s[v] - m + g[i];
+      const float score = s[v] + g[i];
       if ((score > best || (score == best && v < winner)) && kept(v)) best = score, winner = v;
     }
   }

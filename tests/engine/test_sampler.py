@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mii import kernels
-from mii.engine.sampler import (SamplingBatch, _penalties_dense, _penalties_sparse_, apply_penalties, apply_penalties_,
-                                exponential_noise, sample, sample_torch, token_logprobs)
+from mii.engine.sampler import (SamplingBatch, _penalties_dense, apply_penalties, exponential_noise, sample,
+                                sample_torch, token_logprobs)
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None,
                                 reason=f"CPU kernels not built: {kernels.load_cpu_kernels()}")
@@ -165,9 +165,8 @@ def test_a_repetition_penalty_near_zero_keeps_logits_finite():
 
 
 def test_penalties_on_the_tokens_that_occur_equal_the_dense_ones():
-    """The CPU's penalties on the ids that occur (mii::penalize_, and the tensor ops that stand in for it) give every
-    logit bit for bit what the dense [S, V] form (the GPU's) gives: repeated ids, ids in both the prompt and the
-    output, -1 padding, rows with no ids."""
+    """The CPU's penalties on the ids that occur (mii::penalize_) give every logit bit for bit what the dense [S, V]
+    form (the GPU's) gives: repeated ids, ids in both the prompt and the output, -1 padding, rows with no ids."""
     g = torch.Generator().manual_seed(3)
     S, V = 6, 500
     logits = torch.randn(S, V, generator=g) * 4
@@ -182,8 +181,7 @@ def test_penalties_on_the_tokens_that_occur_equal_the_dense_ones():
     assert torch.equal(apply_penalties(logits, pen), dense)
     assert not torch.equal(dense, logits)
     mine = logits.clone()
-    assert apply_penalties_(mine, pen) is mine and torch.equal(mine, dense)
-    assert torch.equal(_penalties_sparse_(logits.clone(), pen), dense)
+    assert apply_penalties(mine, pen, in_place=True) is mine and torch.equal(mine, dense)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
