@@ -128,9 +128,9 @@ class ModelConfig(_Config):
     profile_model_time: bool = False
     """MII's field (time each forward and report it as `model_time_taken`); only False is supported: the
     deployment's `/metrics` has time to first token, inter-token and end-to-end latency histograms."""
-    num_threads: Optional[int] = Field(None, ge=1)
+    num_threads: Optional[int] = Field(None, ge=1, le=4096)
     """CPU threads of each engine process (each tensor-parallel rank); the cores divided between the processes
-    on this host when unset."""
+    on this host when unset. More than the cores the process may use share them (the plan says so)."""
     trust_remote_code: bool = False
     """Hugging Face's switch to run Python code that comes with a checkpoint; only False: mii never runs a
     checkpoint's code (it has its own implementation of each supported architecture, and reads `.bin` weights

@@ -1,14 +1,41 @@
 """The few environment knobs mii reads, all in one place; and the process-wide settings mii takes at start-up."""
 import contextlib
 import gc
+import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 
 def cache_dir() -> Path:
-    """Where converted GGUF checkpoints and deployment records live (MII_CACHE_DIR, default ~/.cache/mii)."""
-    return Path(os.environ.get("MII_CACHE_DIR") or Path.home() / ".cache" / "mii")
+    """Where converted GGUF checkpoints, packed weights, built kernels and deployment records live (MII_CACHE_DIR,
+    default ~/.cache/mii). A folder that cannot be made or written (a read-only home) gives way, with a warning, to
+    a private one under the temporary folder: everything works, what is cached lasts as long as that folder."""
+    d = Path(os.environ.get("MII_CACHE_DIR") or Path.home() / ".cache" / "mii")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if os.access(d, os.W_OK | os.X_OK):
+            return d
+        reason = "it is not writable"
+    except OSError as e:
+        reason = f"{type(e).__name__}: {e.strerror or e}"
+    fallback = Path(tempfile.gettempdir()) / f"mii-cache-{os.getuid()}"
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    st = fallback.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # another user's folder: never load kernels from it
+        from mii.errors import MIIError
+
+        raise MIIError(f"the cache folder {d} cannot be used ({reason}), nor {fallback} (owned by another user or "
+                       "writable by others): set MII_CACHE_DIR to a folder of yours")
+    if (str(d), reason) not in _WARNED:
+        _WARNED.add((str(d), reason))
+        logging.getLogger("mii").warning("the cache folder %s cannot be used (%s): caching in %s instead (set "
+                                         "MII_CACHE_DIR to keep the cache across reboots)", d, reason, fallback)
+    return fallback
+
+
+_WARNED: set = set()
 
 
 def tune_openmp() -> None:

@@ -20,7 +20,7 @@ from mii.engine.constraints import fill_bitmask
 from mii.engine.kv_memory import KVPrefault, zeros_lazy
 from mii.engine.sampler import SamplerOutput, SamplingBatch, pad_ids, sample, token_logprobs, unpack_bitmask
 from mii.engine.scheduler import ScheduledBatch
-from mii.errors import ValidationError
+from mii.errors import KVCacheError, ValidationError
 from mii.layers.attention import AttentionContext, AttentionGroup
 
 
@@ -102,8 +102,12 @@ class ModelRunner:
                                       "CPU kernel reads an int8 cache of head size 64 or 128, blocks of a multiple of "
                                       "16, on a CPU with AVX512-VNNI and AVX512-BF16")
         # [layers, 2, blocks, kv_heads, block_size, head_dim]: head-major blocks (mii/layers/attention.py)
-        self.kv_cache = zeros_lazy((len(layers), 2, num_blocks, kvh, block_size, kv_row(d, kv_dtype)), kv_dtype,
-                                   device)
+        shape = (len(layers), 2, num_blocks, kvh, block_size, kv_row(d, kv_dtype))
+        try:
+            self.kv_cache = zeros_lazy(shape, kv_dtype, device)
+        except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+            raise KVCacheError(f"cannot allocate the KV cache {list(shape)} ({kv_dtype}) on {device}: "
+                               f"{type(e).__name__}: {e}") from None
         # on CPU its pages are faulted in by a background thread ahead of the blocks in use, and more while the
         # engine is idle; the allocator reads how far (kv_memory.py)
         self.prefault = KVPrefault(self.kv_cache) if device.type == "cpu" else None

@@ -200,6 +200,8 @@ def plan_device(cfg: ModelConfig) -> EnginePlan:
     if not cfg.num_threads:
         reasons["threads"] = ("auto: every core this process may use" if ranks == 1 else
                               f"auto: {cores} cores shared by {ranks} tensor-parallel ranks, per rank")
+    elif threads * ranks > cores:
+        reasons["threads"] = f"more threads than the {cores} cores this process may use: they share them"
     if threads > 1 and device == "cpu" and not thread_pace_disabled():
         reasons["threads"] = ((reasons["threads"] + "; ") if "threads" in reasons else "") + (
             "fewer while other processes take the steps' threads off their cores (mii's decoder stack times them; "
@@ -310,6 +312,12 @@ def plan_memory(plan: EnginePlan, cfg: ModelConfig, bytes_per_block_token: int, 
     if mem.mode == "allocate":
         plan.kv_num_blocks = mem.size
         plan.reasons["kv_blocks"] = "memory_config allocate"
+        ram = _available_ram() // ranks_on_this_host(cfg.tensor_parallel)
+        if not on_gpu and mem.size * block_bytes > ram:
+            raise KVCacheError(f"memory_config allocate asks for {mem.size} KV blocks of {plan.kv_block_size} "
+                               f"tokens, {mem.size * block_bytes / 2**30:.3g} GiB, and this host has "
+                               f"{ram / 2**30:.3g} GiB of RAM available for it: ask for fewer blocks, or for mode "
+                               "'reserve'")
     else:
         if on_gpu:
             free, _ = torch.cuda.mem_get_info(torch.device(plan.device))

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mii.envs import packed_cache_disabled
-from mii.errors import ModelLoadError
+from mii.errors import MIIError, ModelLoadError
 from mii.layers.linear import check_shape, prepack_cpu_bf16, store_weights_bf16
 from mii.layers.quant import scheme
 from mii.loading import checkpoint, gguf_blocks, gguf_file, packed_cache, quantize
@@ -99,8 +99,14 @@ def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
     ids = list(cfg.eos_token_ids)
     gen = folder / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{gen} is not a JSON object: {e}") from None
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+            raise ModelLoadError(f"{gen}: eos_token_id must be an integer or a list of integers (it is {eos!r})")
+        ids += eos
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(i for i in ids if i is not None))
@@ -122,8 +128,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     hf = read_hf_config(folder / "config.json")
     files = checkpoint.checkpoint_files(folder)
     spec, cfg = resolve(hf)
-    with _default_dtype(dtype), torch.device(device):
-        model = spec.model_class(cfg)
+    try:
+        with _default_dtype(dtype), torch.device(device):
+            model = spec.model_class(cfg)
+    except MIIError:
+        raise
+    except (RuntimeError, TypeError, ValueError, MemoryError) as e:  # e.g. sizes this machine cannot hold
+        raise ModelLoadError(f"cannot build {cfg.architecture} from {folder / 'config.json'}: "
+                             f"{type(e).__name__}: {e}") from None
     quantizing = bool(quantization and quantization.active)
     layout = ("k-pair tiles" if bf16_kpairs else "tiles") if bf16_weights else ""
     cached = (packed_cache.entry(folder, quantization if quantizing else None, dtype, model, layout)

@@ -14,7 +14,8 @@ in `extra` (read with `cfg.get(name, default)`):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -187,8 +188,106 @@ def llama_like(hf: dict, **overrides) -> ArchConfig:
 def read_hf_config(path) -> dict:
     try:
         with open(path) as f:
-            return json.load(f)
+            hf = json.load(f)
     except FileNotFoundError:
         raise ModelLoadError(f"no config.json at {path}") from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(hf).__name__}, not an object")
+    return hf
+
+
+# --- validation: a config.json that describes no buildable model is refused by name, before anything is built ---
+
+# keys that, where a config has them (not null), are sizes or counts: positive integers
+_POSITIVE_KEYS = ("vocab_size", "hidden_size", "n_embd", "n_embed", "d_model", "intermediate_size", "ffn_dim",
+                  "ffn_hidden_size", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
+                  "num_key_value_heads", "num_kv_heads", "n_head_kv", "head_dim", "max_position_embeddings",
+                  "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "word_embed_proj_dim")
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+# the Hugging Face key behind each size of `ArchConfig`, for messages
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings",
+             "norm_eps": "rms_norm_eps"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bad(key: str, want: str, value) -> ModelLoadError:
+    return ModelLoadError(f"config.json: {key} must be {want} (it is {value!r})")
+
+
+def check_hf(hf: dict) -> None:
+    """Refuse, naming the key, the values of a raw config.json that no model can be built from: sizes that are
+    not positive integers, flags that are not booleans, norms' epsilons and rotary bases that are not finite
+    numbers, and malformed `architectures`, `rope_parameters`, `rope_scaling`, token ids and `sliding_window`."""
+    for key in _POSITIVE_KEYS:
+        v = hf.get(key)
+        if v is not None and not (_is_int(v) and v > 0):
+            raise _bad(key, "a positive integer", v)
+    for key in _BOOL_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise _bad(key, "true or false", hf[key])
+    for key in _EPS_KEYS:
+        if hf.get(key) is not None and not (_is_real(hf[key]) and hf[key] >= 0):
+            raise _bad(key, "a finite number ≥ 0", hf[key])
+    window = hf.get("sliding_window")
+    if window is not None and window is not False and not (_is_int(window) and window >= 0):
+        raise _bad("sliding_window", "an integer ≥ 0 (0: none) or null", window)
+    archs = hf.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise _bad("architectures", "a list of class names", archs)
+    for key in ("model_type", "hidden_act"):
+        if hf.get(key) is not None and not isinstance(hf[key], str):
+            raise _bad(key, "a string", hf[key])
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise _bad(key, "an object", hf[key])
+    params = hf.get("rope_parameters") or {}
+    for theta in (hf.get("rope_theta"), params.get("rope_theta")):
+        if theta is not None and not (_is_real(theta) and theta > 0):
+            raise _bad("rope_theta", "a finite number > 0", theta)
+    if hf.get("bos_token_id") is not None and not _is_int(hf["bos_token_id"]):
+        raise _bad("bos_token_id", "an integer", hf["bos_token_id"])
+    eos = hf.get("eos_token_id")
+    if eos is not None and not (_is_int(eos) or isinstance(eos, list) and all(_is_int(i) for i in eos)):
+        raise _bad("eos_token_id", "an integer or a list of integers", eos)
+
+
+def check(cfg: ArchConfig) -> ArchConfig:
+    """The normalized config's own consistency (sizes derived by the families included): every size a positive
+    integer, query heads a multiple of key/value heads, the rotary part within a head, windows positive."""
+    for f in fields(ArchConfig):
+        v = getattr(cfg, f.name)
+        if f.type == "int" and not (_is_int(v) and v > 0):
+            raise _bad(_HF_NAMES.get(f.name, f.name), "a positive integer", v)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelLoadError(f"config.json: num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({cfg.num_kv_heads})")
+    if cfg.rotary_dim is not None and not (_is_int(cfg.rotary_dim) and 0 < cfg.rotary_dim <= cfg.head_dim):
+        raise ModelLoadError(f"config.json: the rotary part of a head ({cfg.rotary_dim!r}) must be a positive "
+                             f"integer of at most head_dim ({cfg.head_dim})")
+    if not (_is_real(cfg.norm_eps) and cfg.norm_eps >= 0):
+        raise _bad("the norm's epsilon", "a finite number ≥ 0", cfg.norm_eps)
+    if not (_is_real(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise _bad("rope_theta", "a finite number > 0", cfg.rope_theta)
+    if cfg.embed_dim is not None and not (_is_int(cfg.embed_dim) and cfg.embed_dim > 0):
+        raise _bad("word_embed_proj_dim", "a positive integer", cfg.embed_dim)
+    for w in cfg.layer_windows:
+        if w is not None and not (_is_int(w) and w > 0):
+            raise _bad("sliding_window", "a positive integer or null", w)
+    moe = cfg.moe
+    if moe is not None and not (_is_int(moe.num_experts) and _is_int(moe.top_k) and 0 < moe.top_k <= moe.num_experts
+                                and _is_int(moe.intermediate_size) and moe.intermediate_size > 0):
+        raise ModelLoadError(f"config.json: the experts ({moe.num_experts!r}, {moe.top_k!r} a token, intermediate size "
+                             f"{moe.intermediate_size!r}) must be positive integers, at most num_experts a token")
+    return cfg

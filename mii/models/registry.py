@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from mii.errors import UnsupportedModelError
-from mii.models.config import ArchConfig
+from mii.errors import MIIError, ModelLoadError, UnsupportedModelError
+from mii.models.config import ArchConfig, check, check_hf
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,18 @@ def supported_model_types() -> list[str]:
 def resolve(hf: dict) -> tuple[ModelSpec, ArchConfig]:
     import mii.models  # noqa: F401  (registers every family)
 
-    for arch in hf.get("architectures") or []:
-        if arch in _BY_ARCH:
-            spec = _BY_ARCH[arch]
-            return spec, spec.normalize(hf)
+    check_hf(hf)
     model_type = hf.get("model_type")
-    if model_type in _BY_TYPE:
-        spec = _BY_TYPE[model_type]
-        return spec, spec.normalize(hf)
-    raise UnsupportedModelError(
-        f"unsupported model: architectures={hf.get('architectures')}, model_type={model_type!r}; "
-        f"supported model_types: {', '.join(supported_model_types())}")
+    name = next((a for a in hf.get("architectures") or [] if a in _BY_ARCH), None)
+    spec = _BY_ARCH[name] if name else _BY_TYPE.get(model_type)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"unsupported model: architectures={hf.get('architectures')}, model_type={model_type!r}; "
+            f"supported model_types: {', '.join(supported_model_types())}")
+    try:
+        cfg = spec.normalize(hf)
+    except MIIError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"config.json cannot be read as {name or model_type}: {type(e).__name__}: {e}") from None
+    return spec, check(cfg)

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 import mii
-from mii.errors import PromptTooLongError, UnknownArgument, ValidationError
+from mii.errors import KVCacheError, PromptTooLongError, UnknownArgument, ValidationError
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -60,6 +60,17 @@ def test_bad_pipeline_arguments(default_model_path):
         mii.pipeline(default_model_path, dtype="int3")
     with pytest.raises(UnknownArgument, match="kv_blocks"):
         mii.pipeline(default_model_path, inference_engine_config={"state_manager": {"kv_blocks": 3}})
+    with pytest.raises(ValidationError, match="num_threads"):  # libgomp aborted the process at 10**9
+        mii.pipeline(default_model_path, num_threads=10 ** 9)
+
+
+@pytest.mark.parametrize("state_manager, words", [
+    ({"memory_config": {"mode": "allocate", "size": 10 ** 15}}, r"asks for 1000000000000000 KV blocks .* GiB of RAM"),
+    ({"kv_block_size": 10 ** 9}, "the KV cache gets 0 blocks of 1000000000 tokens"),
+])
+def test_a_kv_cache_this_host_cannot_hold_is_refused(default_model_path, state_manager, words):
+    with pytest.raises(KVCacheError, match=words):
+        mii.pipeline(default_model_path, inference_engine_config={"state_manager": state_manager})
 
 
 def test_error_info_round_trip_across_processes():

@@ -75,6 +75,31 @@ def test_unknown_architecture(tiny_llama, tmp_path):
         mii.pipeline(str(tmp_path))
 
 
+@pytest.mark.parametrize("edit, words", [
+    ({"num_hidden_layers": "2"}, r"config.json: num_hidden_layers must be a positive integer \(it is '2'\)"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number ≥ 0"),
+    ({"hidden_size": 10 ** 12}, r"cannot build LlamaForCausalLM from .*config.json: RuntimeError: .*allocate"),
+])
+def test_a_config_that_builds_no_model_is_a_load_error(tiny_llama, tmp_path, edit, words):
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(ModelLoadError, match=words):
+        mii.pipeline(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="holds a JSON list, not an object"):
+        mii.pipeline(str(tmp_path))
+
+
+@pytest.mark.parametrize("text, words", [("{", "is not a JSON object"), ("[2]", "is not a JSON object"),
+                                         ('{"eos_token_id": [2, "x"]}', "eos_token_id must be an integer or a list")])
+def test_a_damaged_generation_config_is_a_load_error(tiny_llama, tmp_path, text, words):
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=f"generation_config.json.*{words}"):
+        mii.pipeline(str(tmp_path))
+
+
 def _edit_weights(src, dst, edit):
     from safetensors.torch import load_file, save_file
 
@@ -320,3 +345,24 @@ def test_no_garbage_collection_while_an_engine_builds(tiny_llama, monkeypatch, e
     assert ran == [] and now == enabled
     assert pipe("Hello", max_new_tokens=2)[0].generated_length == 2
     pipe.destroy()
+
+
+def test_a_cache_folder_that_cannot_be_written_gives_way_to_a_private_one(tmp_path, monkeypatch, caplog):
+    import tempfile
+
+    from mii.errors import MIIError
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MII_CACHE_DIR", str(tmp_path / "a-file" / "mii"))  # cannot be made: a file is in the way
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with caplog.at_level("WARNING", logger="mii"):
+        got = cache_dir()
+    assert got == tmp_path / "tmp" / f"mii-cache-{os.getuid()}" and got.is_dir()
+    assert (got.stat().st_mode & 0o777) == 0o700
+    assert "a-file/mii cannot be used (NotADirectoryError" in caplog.text and str(got) in caplog.text
+    got.chmod(0o777)  # a folder others can write is never used: kernels are loaded from it
+    with pytest.raises(MIIError, match="writable by others"):
+        cache_dir()
+    monkeypatch.setenv("MII_CACHE_DIR", str(tmp_path / "fine"))
+    assert cache_dir() == tmp_path / "fine" and cache_dir().is_dir()
