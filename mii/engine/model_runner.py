@@ -131,6 +131,14 @@ class ModelRunner:
                           None)
         self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
+    def pace(self) -> tuple[int, int]:
+        """(the threads the steps take now, between tries of one more; how often the pace took one fewer): the plan's
+        threads and 0 without a paced stack."""
+        if self.paced is None:
+            return self.threads, 0
+        threads, drops, _, _ = torch.ops.mii.stack_pace(self.paced)
+        return int(threads) or self.threads, int(drops)  # (0: no step yet)
+
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
         layers = model.attention_layers()

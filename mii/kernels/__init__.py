@@ -76,7 +76,7 @@ _lib.define("decoder_stack(Tensor x, Tensor positions, Tensor stack, Tensor slot
 _lib.define("stack_few_rows(Tensor stack) -> int")
 _lib.define("stack_threads(Tensor stack, int configured) -> int")
 _lib.define("stack_pace(Tensor stack) -> int[]")
-_lib.define("pace_trace(Tensor waits, int threads, float step_ms=20.) -> Tensor")
+_lib.define("pace_trace(Tensor times, Tensor losses) -> Tensor")
 
 
 @torch.library.register_fake("mii::paged_attention")

@@ -205,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> few_rows_stack(
       for (int64_t t = 0; t < T; ++t) silu_and_mul_row_bf16(gu + t * 2 * I, act + t * I, I);
       rows_linear(act, T, I, p[8], p[9], x, H, act8, /*bias_after=*/true);
     }
-  }, pace);
+  }, pace, T);
   const at::Tensor xs = at::from_blob(x, {T, H}, x_in.options()), rs = at::from_blob(res, {T, H}, x_in.options());
   if (final_norm.has_value() && final_norm->defined()) return rms_norm_cpu(xs, rs, *final_norm, eps, norm_offset);
   return {xs.clone(), rs.clone()};  // (not views of the workspace)
@@ -287,9 +287,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack_cpu(
   // told to the handle's pace. Single-stream decode on the AVX2 kernels, alternated in one process (Zen 4 as
   // MII_CPU_ISA=avx2, 12 rounds): int4 1.05x, bf16 weights 1.01x
   if (few && *few_rows == 2)
-    mii_team::run(layers_loop, pace);
+    mii_team::run(layers_loop, pace, T);
   else
-    mii_team::timed(layers_loop, pace);
+    mii_team::timed(layers_loop, pace, T);
   if (final_norm.has_value() && final_norm->defined() && layers > 0)
     return rms_norm_cpu(x, residual, *final_norm, eps, norm_offset);
   return {x, residual};
@@ -377,20 +377,23 @@ std::vector<int64_t> stack_pace_cpu(const at::Tensor& handle) {
   return {p.settled(), p.drops, p.probes, p.rises};
 }
 
-// mii::pace_trace: the threads a fresh pace of `threads` gives step after step, where each step takes `step_ms` and
-// loses waits[i] of its calling thread's time if it has more than one thread (the pace's rules, on a trace)
-at::Tensor pace_trace_cpu(const at::Tensor& waits, int64_t threads, double step_ms) {
-  TORCH_CHECK(waits.dim() == 1 && waits.scalar_type() == at::kDouble, "pace_trace: waits must be 1-D float64");
-  TORCH_CHECK(threads >= 1, "pace_trace: threads must be at least 1");
-  TORCH_CHECK(step_ms > 0, "pace_trace: step_ms must be positive");
-  const at::Tensor w = waits.contiguous();
-  at::Tensor out = at::empty({w.numel()}, at::TensorOptions().dtype(at::kLong));
+// mii::pace_trace: the threads a fresh pace gives step after step, where a step on n threads takes times[i][n - 1] ms
+// for one row, of which its calling thread loses the fraction losses[i][n - 1] (the pace's rules, on a trace;
+// threads: times' columns)
+at::Tensor pace_trace_cpu(const at::Tensor& times, const at::Tensor& losses) {
+  TORCH_CHECK(times.dim() == 2 && times.scalar_type() == at::kDouble && times.size(1) >= 1,
+              "pace_trace: times must be [steps, threads] float64");
+  TORCH_CHECK(losses.sizes() == times.sizes() && losses.scalar_type() == at::kDouble,
+              "pace_trace: losses must be float64 of times' shape");
+  TORCH_CHECK(times.gt(0).all().item<bool>(), "pace_trace: times must be positive");
+  const at::Tensor t = times.contiguous(), l = losses.clamp(0, 1).contiguous();
+  const int64_t steps = t.size(0), threads = t.size(1);
+  at::Tensor out = at::empty({steps}, at::TensorOptions().dtype(at::kLong));
   mii_team::Pace pace(static_cast<int>(threads), /*enabled=*/true);
-  const int64_t ns = static_cast<int64_t>(step_ms * 1e6);
-  for (int64_t i = 0; i < w.numel(); ++i) {
+  for (int64_t i = 0; i < steps; ++i) {
     const int n = pace.threads(static_cast<int>(threads));
-    const double f = std::min(1.0, std::max(0.0, w.data_ptr<double>()[i]));
-    pace.record(n, ns, n > 1 ? static_cast<int64_t>(f * ns) : 0);
+    const int64_t ns = static_cast<int64_t>(t.data_ptr<double>()[i * threads + n - 1] * 1e6);
+    pace.record(n, ns, static_cast<int64_t>(l.data_ptr<double>()[i * threads + n - 1] * ns), 1);
     out.data_ptr<int64_t>()[i] = n;
   }
   return out;

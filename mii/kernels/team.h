@@ -153,22 +153,28 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // How many of its configured threads a model's steps take, on a CPU that other processes may be using. A region's
 // shares are equal and fixed, so a thread that loses its core to another process keeps the calling thread waiting
 // at every join (parallel_for times that wait), and threads that share a core slow each other's shares. So each
-// step tells its pace how much of its time the calling thread lost: waiting at the joins, or off its core
-// (Stopwatch). Measured on a Zen 4 EPYC (2 threads), over windows of 16 steps: idle, single-stream int4 decode
-// steps lost 2-17% waiting (the other thread's start, the shares' imbalance) and 0-22% off the core (the machine's
-// neighbours, up to 36 ms at a time), prompt steps and 32 streams' decode steps 5-10% in all; beside one CPU-bound
-// process, 85-100% (off the core half the time, waiting 40-80% of the rest). There one thread decoded at 135-170
-// tok/s where two did 44-71, and 32 streams' 64 tokens each took 7.1-7.5 s where two threads took 16.8-19.9
-// (bench/shared_cpu.py). So: over each window of at least kWindow steps and kWindowNs, a loss above kDrop of their
-// time takes one thread fewer (n - 1 threads beat n once the loss passes 1/n of the time: 1/2 at two); below the
-// configured count, every `interval` steps kProbe steps try one thread more, which stays if their loss is below
-// kRise; a failed try doubles the interval, up to kMaxInterval. The values never depend on the thread count (the
-// kernels' shares split outputs, never a sum): only the time does. MII_THREAD_PACE=0: always the configured threads.
+// step tells its pace how long it took for how many rows, and how much of its time the calling thread lost:
+// waiting at the joins, or off its core (Stopwatch). Measured on a Zen 4 EPYC (2 threads), over windows of 16
+// steps: idle, single-stream int4 decode steps lost 2-17% waiting and 0-22% off the core (the machine's
+// neighbours), prompt steps and 32 streams' decode steps 5-10% in all; beside one CPU-bound process, 85-100%, and
+// one thread decoded at 135-170 tok/s where two did 44-71 (bench/shared_cpu.py). But the loss overstates what one
+// thread fewer would win where the calling thread sleeps at a join (a wait off its core counts twice) and where
+// the other processes only take part of a core: beside a deployment's own front and its clients, 16-32 streams'
+// steps lost 25-55% a window, and one thread served 0.7-0.8x the tokens of two. So the loss only raises the
+// question, and the steps' own speed answers it. A trial runs kProbe steps, every other one on the other count,
+// the rest on the settled one, and compares their times a row (neighbouring steps of a batch have the same rows,
+// and the machine's minute is the same for both): over each window of at least kWindow steps and kWindowNs, a loss
+// above kDrop starts a trial of one thread fewer, kept if its steps' time a row is under kGain of the others' (else
+// the next lossy windows are skipped, 1, 2, 4 ... up to kMaxSkip, until a trial keeps); below the configured count,
+// every `interval` steps a trial of one thread more, kept if faster; a failed one doubles the interval, up to
+// kMaxInterval. The values never depend on the thread count (the kernels' shares split outputs, never a sum): only
+// the time does.
+// MII_THREAD_PACE=0: always the configured threads.
 class Pace {
  public:
-  static constexpr int kWindow = 16, kProbe = 8;
+  static constexpr int kWindow = 16, kProbe = 8, kMaxSkip = 8;
   static constexpr int64_t kFirstInterval = 16, kMaxInterval = 256, kWindowNs = 200000000;
-  static constexpr double kDrop = 0.5, kRise = 0.3;
+  static constexpr double kDrop = 0.5, kGain = 0.95;
 
   explicit Pace(int configured = 0, bool enabled = from_env()) : enabled_(enabled), full_(configured), n_(configured) {}
 
@@ -180,59 +186,83 @@ class Pace {
   // the threads the next step takes, of `configured` (a new configured count starts afresh)
   int threads(int configured) {
     if (configured != full_) *this = Pace(configured, enabled_);
-    return probe_left_ > 0 ? n_ + 1 : n_;
+    return trial_ != 0 && trial_left_ % 2 == 0 ? n_ + trial_ : n_;
   }
-  int settled() const { return n_; }  // the count between tries
+  int settled() const { return n_; }  // the count between trials
 
-  // a step of `threads` threads took `ns`, of which the calling thread lost `lost`
-  void record(int threads, int64_t ns, int64_t lost) {
+  // a step of `threads` threads and `rows` rows took `ns`, of which the calling thread lost `lost`
+  void record(int threads, int64_t ns, int64_t lost, int64_t rows = 1) {
     if (!enabled_ || full_ <= 1) return;
-    if (probe_left_ > 0) {
-      if (threads == n_ + 1) probe_ns_ += ns, probe_lost_ += lost;
-      if (--probe_left_ == 0) {
-        if (probe_lost_ < kRise * probe_ns_) {
-          ++n_, ++rises;
-          interval_ = kFirstInterval;
-        } else {
-          interval_ = std::min(2 * interval_, kMaxInterval);
-        }
-        probe_ns_ = probe_lost_ = 0, since_ = 0;
-      }
+    rows = std::max<int64_t>(rows, 1);
+    if (trial_ != 0) {
+      if (threads == n_ + trial_) trial_time_.add(ns, rows);
+      else if (threads == n_) base_time_.add(ns, rows);
+      if (--trial_left_ == 0) end_trial();
       return;
     }
-    if (n_ > 1 && threads == n_) {
-      window_ns_ += ns, window_lost_ += lost;
-      if (++window_ >= kWindow && window_ns_ >= kWindowNs) {
-        const bool drop = windows_++ > 0 && window_lost_ > kDrop * window_ns_;  // (the first window: a warm-up)
-        window_ = 0, window_ns_ = window_lost_ = 0;
-        if (drop) {
-          --n_, ++drops;
-          interval_ = kFirstInterval, since_ = 0;
-          return;
+    if (threads != n_) return;
+    if (n_ > 1) {
+      window_.add(ns, rows), window_lost_ += lost;
+      if (++window_steps_ >= kWindow && window_.ns >= kWindowNs) {
+        const bool lossy = windows_++ > 0 && window_lost_ > kDrop * window_.ns;  // (the first window: a warm-up)
+        window_ = Time(), window_steps_ = 0, window_lost_ = 0;
+        if (lossy && skip_ > 0) {
+          --skip_;
+        } else if (lossy) {
+          return start(-1);
         }
       }
     }
-    if (n_ < full_ && ++since_ >= interval_) probe_left_ = kProbe, ++probes, since_ = 0;
+    if (n_ < full_ && ++since_ >= interval_) start(+1);
   }
 
   int64_t drops = 0, probes = 0, rises = 0;
 
  private:
+  struct Time {  // steps' time and rows
+    int64_t ns = 0, rows = 0;
+    void add(int64_t t, int64_t r) { ns += t, rows += r; }
+    bool faster_than(const Time& o, double gain) const {  // less time a row than gain times o's
+      return rows > 0 && o.rows > 0 && static_cast<double>(ns) * o.rows < gain * static_cast<double>(o.ns) * rows;
+    }
+  };
+  void start(int delta) {
+    trial_ = delta, trial_left_ = kProbe, trial_time_ = base_time_ = Time();
+    if (delta > 0) ++probes;
+  }
+
+  void end_trial() {
+    if (trial_ < 0) {
+      if (trial_time_.faster_than(base_time_, kGain)) {
+        --n_, ++drops, skip_ = 0, skip_next_ = 1, interval_ = kFirstInterval;
+      } else {
+        skip_ = skip_next_, skip_next_ = std::min(2 * skip_next_, kMaxSkip);
+      }
+    } else if (trial_time_.faster_than(base_time_, 1.0)) {
+      ++n_, ++rises, interval_ = kFirstInterval;
+    } else {
+      interval_ = std::min(2 * interval_, kMaxInterval);
+    }
+    trial_ = 0, since_ = 0;
+    window_ = Time(), window_steps_ = 0, window_lost_ = 0;
+  }
+
   bool enabled_;
   int full_, n_;
-  int window_ = 0, probe_left_ = 0;
-  int64_t windows_ = 0, since_ = 0, interval_ = kFirstInterval;
-  int64_t window_ns_ = 0, window_lost_ = 0, probe_ns_ = 0, probe_lost_ = 0;
+  int trial_ = 0;  // during a trial: -1, one thread fewer; +1, one more
+  int trial_left_ = 0, window_steps_ = 0, skip_ = 0, skip_next_ = 1;
+  int64_t windows_ = 0, since_ = 0, interval_ = kFirstInterval, window_lost_ = 0;
+  Time window_, trial_time_, base_time_;
 };
 
 // A step's time as its Pace hears it: how long it took, and how much of that its calling thread lost, waiting at
 // the joins (`waited`) or off its core (another thread, of this process or another, had it)
 class Stopwatch {
  public:
-  void tell(Pace* pace, int threads, int64_t waited) const {
+  void tell(Pace* pace, int threads, int64_t waited, int64_t rows) const {
     if (pace == nullptr) return;
     const int64_t ns = now_ns() - wall_, off = ns - (thread_cpu_ns() - cpu_);
-    pace->record(threads, ns, std::min(ns, waited + std::max<int64_t>(off, 0)));
+    pace->record(threads, ns, std::min(ns, waited + std::max<int64_t>(off, 0)), rows);
   }
 
  private:
@@ -241,9 +271,9 @@ class Stopwatch {
 
 // body() on the calling thread, inside one parallel region of at::get_num_threads() threads whose kernels'
 // mii_team::parallel_for calls are shared out there; body's exception comes out of run. `pace`: told what the
-// region's calling thread lost (Stopwatch).
+// region's calling thread lost (Stopwatch), in a step of `rows` rows.
 template <class Body>
-void run(const Body& body, Pace* pace = nullptr) {
+void run(const Body& body, Pace* pace = nullptr, int64_t rows = 1) {
   const int threads = at::get_num_threads();
   const Stopwatch watch;
 #ifdef _OPENMP
@@ -268,19 +298,19 @@ void run(const Body& body, Pace* pace = nullptr) {
       }
     }
     if (error) std::rethrow_exception(error);
-    watch.tell(pace, team.threads, team.waited);
+    watch.tell(pace, team.threads, team.waited, rows);
     return;
   }
 #endif
   body();
-  watch.tell(pace, 1, 0);
+  watch.tell(pace, 1, 0, rows);
 }
 
 // body() on the calling thread, each of its kernels' parallel_for calls a region of its own (at::parallel_for: a step
 // of many rows, whose kernels may call torch's own, oneDNN's), the calling thread's loss told to `pace`
 // (Stopwatch; its waits at those regions' joins summed by parallel_for).
 template <class Body>
-void timed(const Body& body, Pace* pace) {
+void timed(const Body& body, Pace* pace, int64_t rows) {
   if (pace == nullptr || join_waits() != nullptr) return body();
   struct Unset {
     ~Unset() { join_waits() = nullptr; }
@@ -293,7 +323,7 @@ void timed(const Body& body, Pace* pace) {
     join_waits() = &waits;
     body();
   }
-  watch.tell(pace, threads, waits);
+  watch.tell(pace, threads, waits, rows);
 }
 
 }  // namespace mii_team

@@ -25,6 +25,10 @@ class Metrics:
                                       "time a sequence starts, again after preemption).", ["replica"], registry=r)
         self.prefix_hits = Counter("mii_prefix_cache_hits", "Looked-up tokens found in the prefix cache (their KV "
                                    "reused, not computed).", ["replica"], registry=r)
+        self.threads = Gauge("mii_engine_threads", "CPU threads the engine's steps take now: fewer than the plan's "
+                             "when other processes took their cores (the thread pace).", ["replica"], registry=r)
+        self.thread_drops = Counter("mii_engine_thread_drops", "Times the engine's thread pace took one thread fewer "
+                                    "(other processes were taking the steps' cores).", ["replica"], registry=r)
         self.restarts = Counter("mii_replica_restarts", "Times the replica's process died and was started again.",
                                 ["replica"], registry=r)
         self.errors = Counter("mii_request_errors", "Requests that ended with an error, by kind (overloaded, "
@@ -61,9 +65,11 @@ class Metrics:
                 self.kv_usage.labels(label).set(s.kv_cache_usage)
                 self.kv_used.labels(label).set(s.kv_blocks_used)
                 self.kv_total.labels(label).set(s.kv_blocks_total)
+                self.threads.labels(label).set(s.threads)
                 # the engine's counts since its process started (a restarted replica has a new pid)
                 for counter, name in ((self.preemptions, "num_preemptions"), (self.prefix_queries,
-                                      "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits")):
+                                      "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
+                                      (self.thread_drops, "thread_drops")):
                     value, last = getattr(s, name), self._seen.get((label, s.pid, name), 0)
                     counter.labels(label).inc(max(0, value - last))
                     self._seen[(label, s.pid, name)] = value

@@ -93,7 +93,8 @@ class EngineLoop:
 
     def _snapshot(self) -> dict:
         kv = self.engine.kv
-        return dict(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
+        threads, drops = self.engine.runner.pace()
+        return dict(threads=threads, thread_drops=drops, num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
                     kv_cache_usage=kv.usage, kv_blocks_total=kv.num_blocks,
                     kv_blocks_used=kv.num_blocks - kv.allocator.num_free, num_preemptions=self.engine.num_preemptions,
                     prefix_cache_queries=kv.queried_tokens, prefix_cache_hits=kv.hit_tokens,

@@ -234,7 +234,12 @@ def test_load_with_cancellations(deployment, base_url):
     text = wait_until(clean, timeout=20)
     assert text, httpx.get(f"{base_url}/metrics", timeout=10).text
     assert metric(text, "mii_kv_cache_blocks_total") == 2 * 512
-    assert all(s.kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0 for s in deployment.engine_stats())
+    stats = deployment.engine_stats()
+    assert all(s.kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0 for s in stats)
+    # the threads each replica's steps take now (its pace's count; the plan's, one each here, unless a busy CPU took
+    # one away) and how often its pace dropped one
+    assert all(s.threads >= 1 for s in stats) and metric(text, "mii_engine_threads") == sum(s.threads for s in stats)
+    assert metric(text, "mii_engine_thread_drops_total") == sum(s.thread_drops for s in stats)
 
 
 async def _enumerate(aiter):
