@@ -161,9 +161,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // thread fewer would win where the calling thread sleeps at a join (a wait off its core counts twice) and where
 // the other processes only take part of a core: beside a deployment's own front and its clients, 16-32 streams'
 // steps lost 25-55% a window, and one thread served 0.7-0.8x the tokens of two. So the loss only raises the
-// question, and the steps' own speed answers it. A trial runs kProbe steps, every other one on the other count,
-// the rest on the settled one, and compares their times a row (neighbouring steps of a batch have the same rows,
-// and the machine's minute is the same for both): over each window of at least kWindow steps and kWindowNs, a loss
+// question, and the steps' own speed answers it. A trial runs kProbe steps, the first half on the other count, the
+// rest on the settled one, and compares their times a row (neighbouring steps of a batch have the same rows, and
+// the machine's minute is the same for both; halves, not every other step: a step on one thread fewer right after
+// one on more shares its core with the idle thread's spin): over each window of at least kWindow steps and kWindowNs, a loss
 // above kDrop starts a trial of one thread fewer, kept if its steps' time a row is under kGain of the others' (else
 // the next lossy windows are skipped, 1, 2, 4 ... up to kMaxSkip, until a trial keeps); below the configured count,
 // every `interval` steps a trial of one thread more, kept if faster; a failed one doubles the interval, up to
@@ -186,7 +187,7 @@ class Pace {
   // the threads the next step takes, of `configured` (a new configured count starts afresh)
   int threads(int configured) {
     if (configured != full_) *this = Pace(configured, enabled_);
-    return trial_ != 0 && trial_left_ % 2 == 0 ? n_ + trial_ : n_;
+    return trial_ != 0 && trial_left_ > kProbe / 2 ? n_ + trial_ : n_;
   }
   int settled() const { return n_; }  // the count between trials
 
@@ -216,7 +217,7 @@ class Pace {
     if (n_ < full_ && ++since_ >= interval_) start(+1);
   }
 
-  int64_t drops = 0, probes = 0, rises = 0;
+  int64_t drops = 0, probes = 0, rises = 0;  // probes: trials of either kind
 
  private:
   struct Time {  // steps' time and rows
@@ -228,7 +229,7 @@ class Pace {
   };
   void start(int delta) {
     trial_ = delta, trial_left_ = kProbe, trial_time_ = base_time_ = Time();
-    if (delta > 0) ++probes;
+    ++probes;
   }
 
   void end_trial() {

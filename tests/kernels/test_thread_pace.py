@@ -43,8 +43,8 @@ def runs(*parts: tuple[int, int]) -> list[int]:
 
 
 def trial(other: int, settled: int) -> list[int]:
-    """a trial's steps: every other one on the other count, first, the rest on the settled one"""
-    return [other, settled] * (PROBE // 2)
+    """a trial's steps: the first half on the other count, the rest on the settled one"""
+    return [other] * (PROBE // 2) + [settled] * (PROBE // 2)
 
 
 def tries_failing(steps: int, threads: int = 1) -> list[int]:
@@ -85,7 +85,7 @@ def test_a_loss_that_one_thread_fewer_would_not_win_back_keeps_the_threads():
     window, not kept; the next trials after 1, 2, 4, then 8 lossy windows skipped."""
     got = two_threads_losing([0.6] * 600, one_thread_ms=30.0)
     trials = [32, 72, 128, 216, 368, 520]  # windows 2, 4 (1 skipped), 7 (2), 12 (4), 21 (8), 30 (8)
-    assert got == [1 if any(t <= i < t + PROBE and (i - t) % 2 == 0 for t in trials) else 2 for i in range(600)]
+    assert got == [1 if any(t <= i < t + PROBE // 2 for t in trials) else 2 for i in range(600)]
 
 
 def test_the_first_try_after_the_cpu_is_idle_again_keeps_the_thread():
