@@ -370,8 +370,8 @@ int64_t stack_threads_cpu(const at::Tensor& handle, int64_t configured) {
   return held_stack(handle).pace->threads(static_cast<int>(configured));
 }
 
-// mii::stack_pace: a handle's pace: [the threads its steps of 1-8 rows take between tries of one more; how often it
-// took one fewer, tried one more, kept one more]
+// mii::stack_pace: a handle's pace: [the threads its steps take between trials; how often it took one fewer, ran a
+// trial (of one fewer or one more), kept one more]
 std::vector<int64_t> stack_pace_cpu(const at::Tensor& handle) {
   const mii_team::Pace& p = *held_stack(handle).pace;
   return {p.settled(), p.drops, p.probes, p.rises};

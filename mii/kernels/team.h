@@ -203,10 +203,10 @@ class Pace {
     }
     if (threads != n_) return;
     if (n_ > 1) {
-      window_.add(ns, rows), window_lost_ += lost;
-      if (++window_steps_ >= kWindow && window_.ns >= kWindowNs) {
-        const bool lossy = windows_++ > 0 && window_lost_ > kDrop * window_.ns;  // (the first window: a warm-up)
-        window_ = Time(), window_steps_ = 0, window_lost_ = 0;
+      window_.time.add(ns, rows), window_.lost += lost;
+      if (++window_.steps >= kWindow && window_.time.ns >= kWindowNs) {
+        const bool lossy = windows_++ > 0 && window_.lost > kDrop * window_.time.ns;  // (the first: a warm-up)
+        window_ = Window();
         if (lossy && skip_ > 0) {
           --skip_;
         } else if (lossy) {
@@ -227,6 +227,12 @@ class Pace {
       return rows > 0 && o.rows > 0 && static_cast<double>(ns) * o.rows < gain * static_cast<double>(o.ns) * rows;
     }
   };
+  struct Window {  // the steps at the settled count since the last judgement or trial
+    Time time;
+    int steps = 0;
+    int64_t lost = 0;
+  };
+
   void start(int delta) {
     trial_ = delta, trial_left_ = kProbe, trial_time_ = base_time_ = Time();
     ++probes;
@@ -244,16 +250,16 @@ class Pace {
     } else {
       interval_ = std::min(2 * interval_, kMaxInterval);
     }
-    trial_ = 0, since_ = 0;
-    window_ = Time(), window_steps_ = 0, window_lost_ = 0;
+    trial_ = 0, since_ = 0, window_ = Window();
   }
 
   bool enabled_;
   int full_, n_;
   int trial_ = 0;  // during a trial: -1, one thread fewer; +1, one more
-  int trial_left_ = 0, window_steps_ = 0, skip_ = 0, skip_next_ = 1;
-  int64_t windows_ = 0, since_ = 0, interval_ = kFirstInterval, window_lost_ = 0;
-  Time window_, trial_time_, base_time_;
+  int trial_left_ = 0, skip_ = 0, skip_next_ = 1;
+  int64_t windows_ = 0, since_ = 0, interval_ = kFirstInterval;
+  Window window_;
+  Time trial_time_, base_time_;  // during a trial: its steps on the other count, and on the settled one
 };
 
 // A step's time as its Pace hears it: how long it took, and how much of that its calling thread lost, waiting at

@@ -21,7 +21,7 @@ from mii.layers.linear import check_shape, prepack_cpu_bf16, store_weights_bf16
 from mii.layers.quant import scheme
 from mii.loading import checkpoint, gguf_blocks, gguf_file, packed_cache, quantize
 from mii.loading.source import ModelSource
-from mii.models.config import ArchConfig, read_hf_config
+from mii.models.config import ArchConfig, read_hf_config, token_ids_ok
 from mii.models.decoder import CausalLM
 from mii.models.registry import resolve
 from mii.parallel import tp_size
@@ -103,10 +103,9 @@ def _eos_ids(folder, cfg: ArchConfig, tokenizer) -> tuple:
             eos = json.loads(gen.read_text()).get("eos_token_id")
         except (ValueError, AttributeError) as e:
             raise ModelLoadError(f"{gen} is not a JSON object: {e}") from None
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        if eos is not None and not token_ids_ok(eos):
             raise ModelLoadError(f"{gen}: eos_token_id must be an integer or a list of integers (it is {eos!r})")
-        ids += eos
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(i for i in ids if i is not None))

@@ -222,6 +222,11 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def token_ids_ok(value) -> bool:
+    """An integer or a list of integers (config.json's and generation_config.json's `eos_token_id`)."""
+    return _is_int(value) or isinstance(value, list) and all(_is_int(i) for i in value)
+
+
 def _bad(key: str, want: str, value) -> ModelLoadError:
     return ModelLoadError(f"config.json: {key} must be {want} (it is {value!r})")
 
@@ -259,7 +264,7 @@ def check_hf(hf: dict) -> None:
     if hf.get("bos_token_id") is not None and not _is_int(hf["bos_token_id"]):
         raise _bad("bos_token_id", "an integer", hf["bos_token_id"])
     eos = hf.get("eos_token_id")
-    if eos is not None and not (_is_int(eos) or isinstance(eos, list) and all(_is_int(i) for i in eos)):
+    if eos is not None and not token_ids_ok(eos):
         raise _bad("eos_token_id", "an integer or a list of integers", eos)
 
 

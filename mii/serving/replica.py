@@ -93,8 +93,7 @@ class EngineLoop:
 
     def _snapshot(self) -> dict:
         kv = self.engine.kv
-        threads, drops = self.engine.runner.pace()
-        return dict(threads=threads, thread_drops=drops, num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
+        return dict(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
                     kv_cache_usage=kv.usage, kv_blocks_total=kv.num_blocks,
                     kv_blocks_used=kv.num_blocks - kv.allocator.num_free, num_preemptions=self.engine.num_preemptions,
                     prefix_cache_queries=kv.queried_tokens, prefix_cache_hits=kv.hit_tokens,
@@ -237,9 +236,10 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
 
     async def EngineStats(self, request, context):
         s = self.loop.stats
+        threads, drops = self.loop.engine.runner.pace()  # (read here: not a step's work)
         return pb2.EngineStatsReply(replicas=[pb2.ReplicaStats(
             replica=self.index, pid=os.getpid(), max_context=self.inputs.limits.max_context,
-            model=self.model_name, alive=True, **s)])
+            model=self.model_name, alive=True, threads=threads, thread_drops=drops, **s)])
 
     async def Terminate(self, request, context):
         self.on_terminate()
