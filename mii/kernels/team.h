@@ -160,22 +160,22 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // one thread decoded at 135-170 tok/s where two did 44-71 (bench/shared_cpu.py). But the loss overstates what one
 // thread fewer would win where the calling thread sleeps at a join (a wait off its core counts twice) and where
 // the other processes only take part of a core: beside a deployment's own front and its clients, 16-32 streams'
-// steps lost 25-55% a window, and one thread served 0.7-0.8x the tokens of two. So the loss only raises the
-// question, and the steps' own speed answers it. A trial runs kProbe steps, the first half on the other count, the
-// rest on the settled one, and compares their times a row (neighbouring steps of a batch have the same rows, and
-// the machine's minute is the same for both; halves, not every other step: a step on one thread fewer right after
-// one on more shares its core with the idle thread's spin): over each window of at least kWindow steps and kWindowNs, a loss
-// above kDrop starts a trial of one thread fewer, kept if its steps' time a row is under kGain of the others' (else
-// the next lossy windows are skipped, 1, 2, 4 ... up to kMaxSkip, until a trial keeps); below the configured count,
-// every `interval` steps a trial of one thread more, kept if faster; a failed one doubles the interval, up to
-// kMaxInterval. The values never depend on the thread count (the kernels' shares split outputs, never a sum): only
-// the time does.
+// steps lost 25-55% a window, and one thread served 0.7-0.8x the tokens of two. So, over each window of at least
+// kWindow steps and kWindowNs: a loss above kSure (a core taken) takes one thread fewer at once; a loss above kDrop
+// only raises the question, and the steps' own speed answers it: a trial of kProbe steps, the first half on one
+// thread fewer, the rest on the settled count (neighbouring steps of a batch have the same rows, and the machine's
+// minute is the same for both; halves, not every other step: a step on one thread fewer right after one on more
+// shares its core with the idle thread's spin), kept if the first half's time a row is under kGain of the second's
+// (else the next such windows are skipped, 1, 2, 4 ... up to kMaxSkip, until a trial keeps). Below the configured
+// count, every `interval` steps a trial of one thread more, kept if faster; a failed one doubles the interval, up
+// to kMaxInterval. The values never depend on the thread count (the kernels' shares split outputs, never a sum):
+// only the time does.
 // MII_THREAD_PACE=0: always the configured threads.
 class Pace {
  public:
   static constexpr int kWindow = 16, kProbe = 8, kMaxSkip = 8;
   static constexpr int64_t kFirstInterval = 16, kMaxInterval = 256, kWindowNs = 200000000;
-  static constexpr double kDrop = 0.5, kGain = 0.95;
+  static constexpr double kDrop = 0.5, kSure = 0.75, kGain = 0.95;
 
   explicit Pace(int configured = 0, bool enabled = from_env()) : enabled_(enabled), full_(configured), n_(configured) {}
 
@@ -205,11 +205,13 @@ class Pace {
     if (n_ > 1) {
       window_.time.add(ns, rows), window_.lost += lost;
       if (++window_.steps >= kWindow && window_.time.ns >= kWindowNs) {
-        const bool lossy = windows_++ > 0 && window_.lost > kDrop * window_.time.ns;  // (the first: a warm-up)
+        const bool judged = windows_++ > 0;  // (the first window: a warm-up)
+        const double loss = static_cast<double>(window_.lost) / window_.time.ns;
         window_ = Window();
-        if (lossy && skip_ > 0) {
+        if (judged && loss > kSure) return one_fewer();
+        if (judged && loss > kDrop && skip_ > 0) {
           --skip_;
-        } else if (lossy) {
+        } else if (judged && loss > kDrop) {
           return start(-1);
         }
       }
@@ -238,10 +240,12 @@ class Pace {
     ++probes;
   }
 
+  void one_fewer() { --n_, ++drops, skip_ = 0, skip_next_ = 1, interval_ = kFirstInterval, since_ = 0; }
+
   void end_trial() {
     if (trial_ < 0) {
       if (trial_time_.faster_than(base_time_, kGain)) {
-        --n_, ++drops, skip_ = 0, skip_next_ = 1, interval_ = kFirstInterval;
+        one_fewer();
       } else {
         skip_ = skip_next_, skip_next_ = std::min(2 * skip_next_, kMaxSkip);
       }
