@@ -69,12 +69,14 @@ class OutputProcessor:
         self.requests = requests
         self.joined = ResponseJoiner(len(requests))
         self._index: dict[int, int] = {}
+        self.uids: list[int] = []
         self.pending: set[int] = set()
         self._started = [False] * len(requests)
         self._latest = [self._idle(i, len(r.prompt_ids), 0, FinishReason.NONE, 0) for i, r in enumerate(requests)]
 
     def bind(self, uids: list[int]) -> None:
         """The engine's uids of the requests, in order."""
+        self.uids = list(uids)
         self._index = {uid: i for i, uid in enumerate(uids)}
         self.pending = set(uids)
 
@@ -89,7 +91,8 @@ class OutputProcessor:
         return Response("", prompt_length, generated_length, reason, [], lp, cached_tokens=cached_tokens)
 
     def update(self, outputs) -> dict[int, Response]:
-        """Fold one step's outputs (at most one per sequence); the new piece of each sequence that had news."""
+        """Fold outputs in step order (one step's, or several steps' that a unary call's sink held); the latest piece of
+        each sequence that had news."""
         news = {}
         for o in outputs:
             i = self._index[o.uid]

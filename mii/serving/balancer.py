@@ -1,13 +1,15 @@
 """The load balancer of a deployment's front process: routes each request to the live replica with the fewest
-outstanding sequences (prompts × n; ties in turn), forwards it over gRPC as a stream, retries on another replica
-when one died before answering, and takes dead replicas out of rotation (the deployment restarts them and puts the
-new process in with `replace`). `BalancerServicer` exposes it as MII's gRPC service; the HTTP gateway calls
-`LoadBalancer.stream` / `generate` directly, in the same event loop.
+outstanding sequences (prompts × n; ties in turn), forwards it over gRPC as a stream (or as one unary call when the
+caller wants the whole answer: the replica and this process then wake once per finished sequence, not every step),
+retries on another replica when one died before answering, and takes dead replicas out of rotation (the
+deployment restarts them and puts the new process in with `replace`). `BalancerServicer` exposes it as MII's gRPC
+service; the HTTP gateway calls `LoadBalancer.stream` / `generate` directly, in the same event loop.
 
-Closing a stream early (client gone, deadline passed) cancels the replica call, which aborts the sequences. Every
-request has a deadline when `request_timeout` is set (or its gRPC caller gave one), passed on to the replica, so an
-expired request is aborted there too. A request whose replica dies after it answered ends at once with
-`DeploymentUnavailableError` (503): its tokens so far cannot be resumed elsewhere. While the deployment drains for
+Closing a stream early, or cancelling a unary call (client gone, deadline passed), cancels the replica call, which
+aborts the sequences. Every request has a deadline when `request_timeout` is set (or its gRPC caller gave one),
+passed on to the replica, so an expired request is aborted there too. A stream whose replica dies after it answered
+ends at once with `DeploymentUnavailableError` (503): its tokens so far cannot be resumed elsewhere (a unary call has
+answered nothing before its end, so it is retried). While the deployment drains for
 shutdown, new requests are refused the same way and `in_flight` counts down.
 """
 from __future__ import annotations
@@ -26,7 +28,6 @@ from mii.errors import (DeploymentUnavailableError, KVCacheError, MIIError, Requ
                         UnknownArgument, ValidationError)
 from mii.serving.auth import call_metadata
 from mii.serving.metrics import Metrics
-from mii.engine.outputs import ResponseJoiner
 from mii.response import Response
 from mii.serving.protocol import (CHANNEL_OPTIONS, error_from_rpc, error_status, from_multi_reply, num_sequences, pb2,
                                   pb2_grpc, to_multi_reply)
@@ -135,12 +136,13 @@ class LoadBalancer:
         ties = [r for r in live if r.outstanding == least]
         return ties[next(self._turn) % len(ties)]
 
-    async def stream(self, request, timeout: Optional[float] = None) -> AsyncIterator:
-        """Forward one request; yield the replica's `MultiGenerationReply` chunks. Raises typed mii errors.
-        `timeout`: the caller's own deadline in seconds (a gRPC client's), besides `request_timeout`."""
+    async def stream(self, request, timeout: Optional[float] = None, unary: bool = False) -> AsyncIterator:
+        """Forward one request; yield the replica's `MultiGenerationReply` chunks (`unary`: its one whole reply, from
+        a unary call, which wakes the replica's handler and this process once, not every step). Raises typed mii
+        errors. `timeout`: the caller's own deadline in seconds (a gRPC client's), besides `request_timeout`."""
         self.in_flight += 1
         try:
-            async for reply in self._stream(request, timeout):
+            async for reply in self._stream(request, timeout, unary):
                 yield reply
         except MIIError as e:
             self.metrics.errors.labels(_error_kind(e)).inc()
@@ -149,7 +151,7 @@ class LoadBalancer:
         finally:
             self.in_flight -= 1
 
-    async def _stream(self, request, timeout: Optional[float]) -> AsyncIterator:
+    async def _stream(self, request, timeout: Optional[float], unary: bool = False) -> AsyncIterator:
         if self.draining:
             raise DeploymentUnavailableError("the deployment is shutting down and takes no new requests")
         limits = [(t, why) for t, why in ((self.request_timeout, "request_timeout"), (timeout, "the caller's deadline"))
@@ -164,12 +166,15 @@ class LoadBalancer:
             tracker = self.metrics.track(replica.index)
             replica.outstanding += weight
             remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-            call = replica.stub.GeneratorReplyStream(request, timeout=remaining, metadata=self._metadata)
+            if unary:
+                call = replica.stub.GeneratorReply(request, timeout=remaining, metadata=self._metadata)
+            else:
+                call = replica.stub.GeneratorReplyStream(request, timeout=remaining, metadata=self._metadata)
             answered = finished = False
             try:
-                async for reply in call:
+                async for reply in (_one(call) if unary else call):
                     answered = True
-                    tracker.chunk(reply)
+                    tracker.whole(reply) if unary else tracker.chunk(reply)
                     yield reply
                 finished = True
                 tracker.finish()
@@ -199,11 +204,9 @@ class LoadBalancer:
                     call.cancel()
 
     async def generate(self, request, timeout: Optional[float] = None) -> list[Response]:
-        """Forward one request; the whole responses (its streamed chunks joined)."""
-        joined = ResponseJoiner()
-        async for reply in self.stream(request, timeout):
-            joined.add(from_multi_reply(reply))
-        return joined.responses()
+        """Forward one request; the whole responses."""
+        (reply,) = [reply async for reply in self.stream(request, timeout, unary=True)]
+        return from_multi_reply(reply)
 
     async def _answers(self, replica: Replica) -> bool:
         try:
@@ -233,6 +236,11 @@ class LoadBalancer:
     async def close(self) -> None:
         for r in self.replicas:
             await r.channel.close()
+
+
+async def _one(call) -> AsyncIterator:
+    """A unary call as a stream of its one reply."""
+    yield await call
 
 
 def _error_kind(e: MIIError) -> str:

@@ -1,6 +1,6 @@
-"""Prometheus metrics of a deployment, kept by the load balancer (which sees every request and every streamed
-chunk, whichever API it came from) and served by the gateway at `GET /metrics`. Engine gauges (running and
-waiting requests, KV cache usage) are read from the replicas at scrape time."""
+"""Prometheus metrics of a deployment, kept by the load balancer (which sees every request, and every streamed
+chunk or unary reply, whichever API it came from) and served by the gateway at `GET /metrics`. Engine gauges
+(running and waiting requests, KV cache usage) are read from the replicas at scrape time."""
 from __future__ import annotations
 
 import time
@@ -80,7 +80,8 @@ class Metrics:
 
 
 class RequestTracker:
-    """Follows one request's stream of `MultiGenerationReply` chunks: TTFT, inter-token latency, tokens."""
+    """Follows one request: the chunks of a stream (`chunk`), or a unary call's one reply (`whole`): time to first
+    token, inter-token latency, tokens."""
 
     def __init__(self, metrics: Metrics, replica: str):
         self.m = metrics
@@ -109,8 +110,25 @@ class RequestTracker:
                 self.generated[i], self.last[i] = r.generated_tokens, now
             if r.finish_reason not in ("", "none"):
                 self.done[i] = True
-                self.m.prompt_tokens.labels(self.replica).inc(r.prompt_tokens)
-                self.m.requests.labels(self.replica, r.finish_reason).inc()
+                self._finished(r)
+
+    def whole(self, reply) -> None:
+        """A replica's unary reply: its token times (seconds since the replica got the call) moved to this clock by
+        the time the call took here beyond the replica's (`time_taken`)."""
+        lead = max(0.0, time.perf_counter() - self.start - max((r.time_taken for r in reply.response), default=0.0))
+        for r in reply.response:
+            if r.generated_tokens > 0:
+                if r.last_token_time > 0:
+                    self.m.ttft.observe(lead + r.first_token_time)
+                    gap = (r.last_token_time - r.first_token_time) / max(1, r.generated_tokens - 1)
+                    for _ in range(r.generated_tokens - 1):
+                        self.m.itl.observe(gap)
+                self.m.generation_tokens.labels(self.replica).inc(r.generated_tokens)
+            self._finished(r)
+
+    def _finished(self, r) -> None:
+        self.m.prompt_tokens.labels(self.replica).inc(r.prompt_tokens)
+        self.m.requests.labels(self.replica, r.finish_reason).inc()
 
     def finish(self) -> None:
         self.m.e2e.observe(time.perf_counter() - self.start)

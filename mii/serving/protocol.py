@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import grpc
 
@@ -199,8 +199,13 @@ def from_multi_reply(reply) -> list[Response]:
     return [from_reply(r) for r in reply.response]
 
 
-def to_multi_reply(responses: list[Response], time_taken: float = 0.0):
-    return pb2.MultiGenerationReply(response=[to_reply(r, time_taken) for r in responses])
+def to_multi_reply(responses: list[Response], time_taken: float = 0.0, token_times: Optional[list] = None):
+    """`token_times`: per response, [] or the seconds since the call began of its [first, last] token."""
+    reply = pb2.MultiGenerationReply(response=[to_reply(r, time_taken) for r in responses])
+    for r, times in zip(reply.response, token_times or ()):
+        if times:
+            r.first_token_time, r.last_token_time = times
+    return reply
 
 
 # --- errors ----------------------------------------------------------------------------------------------------

@@ -50,14 +50,36 @@ class _Add:
 
 
 class _Sink:
-    """Delivers engine-thread events to one asyncio handler: ("added", uids), ("error", exc), ("out", outputs)."""
+    """Delivers engine-thread events to one asyncio handler: ("added", uids), ("error", exc), ("out", outputs).
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    A unary call's sink (`hold`) keeps its outputs on the engine thread until one of its sequences finishes, and
+    notes when each sequence's first and last tokens came: its handler wakes once per finished sequence, not every
+    step (on a machine whose cores all run the step, each wake takes one of them away from it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, hold: bool = False):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.start = time.perf_counter()
+        self.hold = hold
+        self._held: list[RequestOutput] = []
+        self.token_times: dict[int, list[float]] = {}
+        """uid -> [first, last] token's time (`perf_counter`), kept when `hold`."""
 
     def put(self, kind: str, value) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs of this call (engine thread)."""
+        if self.hold:
+            now = time.perf_counter()
+            for o in outputs:
+                if o.token_ids:
+                    self.token_times.setdefault(o.uid, [now, now])[1] = now
+            self._held += outputs
+            if not any(o.finished for o in outputs):
+                return
+            outputs, self._held = self._held, []
+        self.put("out", outputs)
 
 
 class EngineLoop:
@@ -169,7 +191,7 @@ class EngineLoop:
             # machine could run a client's EngineStats between the two, which answered with the step before's)
             self.stats = self._snapshot()
             for sink, group in by_sink.values():
-                sink.put("out", group)
+                sink.deliver(group)
 
 
 class ReplicaServicer(pb2_grpc.ModelResponseServicer):
@@ -184,9 +206,9 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
         # one thread tokenizes: the event loop never waits on it, and no two encodes share the tokenizer at once
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mii-tokenize")
 
-    async def _generate(self, request, context):
-        """Per engine step with news: (the call's `OutputProcessor`, the news, seconds since the call began)."""
-        start = time.perf_counter()
+    async def _generate(self, request, context, sink: _Sink):
+        """Per delivery of news (every engine step with news; for a holding sink, each finished sequence): (the
+        call's `OutputProcessor`, the news, seconds since the call began)."""
         prompts, kwargs = read_request(request)
         try:
             requests, _ = await asyncio.get_running_loop().run_in_executor(
@@ -194,7 +216,6 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
         except Exception as e:
             await context.abort(*error_status(e))
         outputs = OutputProcessor(requests)
-        sink = _Sink(asyncio.get_running_loop())
         self.loop.submit(requests, sink)
         added = False
         try:
@@ -208,7 +229,7 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
                 if kind == "error":  # the engine loop dropped every sequence already
                     outputs.pending.clear()
                     await context.abort(*error_status(value))
-                yield outputs, outputs.update(value), time.perf_counter() - start
+                yield outputs, outputs.update(value), time.perf_counter() - sink.start
         finally:
             # cancelled, deadline passed or failed: free the sequences' KV blocks
             if not added:
@@ -223,16 +244,21 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
 
     async def GeneratorReplyStream(self, request, context):
         # aclosing: a cancelled stream aborts its sequences at once, not when the event loop finalizes `_generate`
-        async with contextlib.aclosing(self._generate(request, context)) as steps:
+        sink = _Sink(asyncio.get_running_loop())
+        async with contextlib.aclosing(self._generate(request, context, sink)) as steps:
             async for outputs, news, elapsed in steps:
                 yield to_multi_reply(outputs.chunk(news), elapsed)
 
     async def GeneratorReply(self, request, context):
+        sink = _Sink(asyncio.get_running_loop(), hold=True)
         outputs, elapsed = None, 0.0
-        async with contextlib.aclosing(self._generate(request, context)) as steps:
+        async with contextlib.aclosing(self._generate(request, context, sink)) as steps:
             async for outputs, _, elapsed in steps:
                 pass
-        return to_multi_reply(outputs.responses() if outputs is not None else [], elapsed)
+        if outputs is None:
+            return to_multi_reply([], elapsed)
+        times = [[t - sink.start for t in sink.token_times.get(uid, ())] for uid in outputs.uids]
+        return to_multi_reply(outputs.responses(), elapsed, times)
 
     async def EngineStats(self, request, context):
         s = self.loop.stats

@@ -36,6 +36,8 @@ def test_both_replicas_serve_and_metrics(base_url, deployment):
         return httpx.post(f"{base_url}/v1/completions", timeout=120,
                           json={"prompt": f"request {i}", "max_tokens": 24, "ignore_eos": True}).status_code
 
+    hists = ("mii_time_to_first_token_seconds", "mii_inter_token_latency_seconds", "mii_e2e_request_latency_seconds")
+    before = httpx.get(f"{base_url}/metrics", timeout=30).text
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(one, range(6))) == [200] * 6
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
@@ -46,9 +48,16 @@ def test_both_replicas_serve_and_metrics(base_url, deployment):
         for gauge in ("mii_num_requests_running", "mii_num_requests_waiting", "mii_kv_cache_usage_perc"):
             assert re.search(rf'^{gauge}{{replica="{replica}"}} ', text, re.M), gauge
     assert metric(text, "mii_prompt_tokens_total") > 0
-    for hist in ("mii_time_to_first_token_seconds", "mii_inter_token_latency_seconds",
-                 "mii_e2e_request_latency_seconds"):
-        assert metric(text, f"{hist}_count") > 0, hist
+
+    def grew(name):
+        return metric(text, name) - metric(before, name)
+
+    # not streamed: each request one unary call, its latencies from the replica's token times
+    assert grew("mii_generation_tokens_total") == 6 * 24
+    ttft, itl, e2e = (grew(f"{h}_count") for h in hists)
+    assert (ttft, itl, e2e) == (6, 6 * 23, 6)
+    ttft, itl, e2e = (grew(f"{h}_sum") for h in hists)
+    assert 0 < ttft < e2e and 0 < itl < e2e, (ttft, itl, e2e)
 
 
 def test_client_leaving_mid_stream_aborts_its_sequence(base_url, deployment):

@@ -106,3 +106,42 @@ def test_balancer_weighs_prompts_times_n():
     assert num_sequences(make_request(["a", "b"], {})) == 2
     assert num_sequences(make_request(["a", "b"], {"n": 3})) == 6
     assert num_sequences(make_request(["a", [1, 2]], {"n": [1, 4]})) == 5
+
+
+def test_a_unary_call_wakes_its_handler_once_per_finished_sequence(pipe):
+    """The replica's engine thread holds a unary call's outputs until one of its sequences finishes (and notes each
+    sequence's first and last token times), where a stream's handler gets every step: the same tokens either way."""
+    import asyncio
+
+    from mii.engine.requests import InputProcessor
+    from mii.serving.replica import EngineLoop, _Sink
+
+    prompts, kwargs = ["DeepSpeed is", "Seattle is"], dict(max_new_tokens=[3, 9], do_sample=False, ignore_eos=True)
+    inputs = InputProcessor(pipe.tokenizer, pipe.engine.limits)
+    engine_loop = EngineLoop(pipe.engine)
+
+    async def call(hold: bool):
+        sink = _Sink(asyncio.get_running_loop(), hold=hold)
+        engine_loop.submit(inputs.process(prompts, kwargs)[0], sink)
+        kind, uids = await asyncio.wait_for(sink.queue.get(), 60)
+        assert kind == "added"
+        tokens, done, wakes = {u: [] for u in uids}, set(), 0
+        while len(done) < len(uids):
+            kind, outs = await asyncio.wait_for(sink.queue.get(), 60)
+            assert kind == "out"
+            wakes += 1
+            for o in outs:
+                tokens[o.uid] += o.token_ids
+                if o.finished:
+                    done.add(o.uid)
+        return [tokens[u] for u in uids], wakes, [sink.token_times.get(u) for u in uids]
+
+    engine_loop.start()
+    try:
+        held, streamed = asyncio.run(call(True)), asyncio.run(call(False))
+    finally:
+        engine_loop.stop()
+    assert held[0] == streamed[0] == [r.token_ids for r in pipe(prompts, **kwargs)]
+    assert held[1] == 2 and streamed[1] == 9  # a wake per finished sequence; one per step
+    (first0, last0), (first1, last1) = held[2]
+    assert first0 < last0 < last1 and first1 < last1 and streamed[2] == [None, None]

@@ -25,7 +25,7 @@ from tests.serving.conftest import free_port, metric, unique_name, wait_until
 MII = str(Path(sys.executable).parent / "mii")
 TIMEOUT_S = 8
 """Longer than the SIGTERM part takes (its long stream must still run at the second signal); far shorter than
-the request that times out (32 sequences x 1000 steps)."""
+the request that times out (128 sequences x 1000 steps: ~30 s of a tiny model on 2 cores)."""
 
 
 def _stream(base: str, max_tokens: int, out: dict) -> None:
@@ -75,7 +75,7 @@ def test_request_timeout_and_two_signals(tmp_path, tiny_model):
         # past --request-timeout: 504, the sequences aborted
         t = time.monotonic()
         r = httpx.post(f"{base}/v1/completions", timeout=120,
-                       json={"prompt": "x", "max_tokens": 1000, "n": 32, "ignore_eos": True})
+                       json={"prompt": "x", "max_tokens": 1000, "n": 128, "ignore_eos": True})
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "request_timeout" and "request_timeout" in r.json()["error"]["message"]
         assert TIMEOUT_S * 0.9 < time.monotonic() - t < TIMEOUT_S + 10

@@ -119,8 +119,9 @@ class Scripted:
             time.sleep(0.05)
 
     def servicer(self):
+        from mii.engine.outputs import ResponseJoiner
         from mii.response import FinishReason, Response
-        from mii.serving.protocol import pb2, pb2_grpc, read_request, to_multi_reply
+        from mii.serving.protocol import from_multi_reply, pb2, pb2_grpc, read_request, to_multi_reply
 
         outer = self
 
@@ -141,6 +142,12 @@ class Scripted:
                     yield to_multi_reply([Response(
                         p[step] if step < len(p) else "", 7, min(step + 1, len(p)),
                         FinishReason.STOP if step >= len(p) - 1 else FinishReason.NONE) for p in pieces])
+
+            async def GeneratorReply(self, request, context):  # (a request that is not streamed)
+                joined = ResponseJoiner()
+                async for reply in self.GeneratorReplyStream(request, context):
+                    joined.add(from_multi_reply(reply))
+                return to_multi_reply(joined.responses())
 
             async def EngineStats(self, request, context):
                 return pb2.EngineStatsReply(replicas=[pb2.ReplicaStats(replica=0, alive=True, max_context=1024)])
