@@ -108,6 +108,8 @@ def cmd_serve(args) -> int:
         kwargs["deployment_name"] = args.deployment_name
     if args.max_request_bytes is not None:
         kwargs["max_request_bytes"] = args.max_request_bytes
+    if args.stream_interval_ms is not None:
+        kwargs["stream_interval_ms"] = args.stream_interval_ms
     state_manager = {}
     if args.max_context:
         state_manager["max_context"] = args.max_context
@@ -204,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (HTTP 413 beyond) or gRPC message accepted (default: 4 MiB)")
     v.add_argument("--max-waiting", type=int, default=None,
                    help="requests an engine may queue before refusing new ones with 429 (default: unbounded)")
+    v.add_argument("--stream-interval-ms", type=float, default=None, metavar="MS",
+                   help="a stream's chunks at most this often per request, the tokens between joined (default: 20; "
+                        "0: a chunk every engine step)")
     v.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a request not finished after this long: 504 / DEADLINE_EXCEEDED (default: no limit)")
     v.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",

@@ -61,6 +61,16 @@ class ResponseJoiner:
                                                      self._prompt_logprobs)]
 
 
+def _join(a: Response, b: Response) -> Response:
+    """Pieces `a` then `b` of one sequence as one: text, token ids and logprobs appended; counts and finish reason
+    from `b`; `a`'s prompt logprobs (only a sequence's first piece has them)."""
+    lp = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    joined = Response(a.generated_text + b.generated_text, b.prompt_length, b.generated_length, b.finish_reason,
+                      (a.token_ids or []) + (b.token_ids or []), lp, cached_tokens=b.cached_tokens)
+    joined.prompt_logprobs = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
+    return joined
+
+
 class OutputProcessor:
     """One call's sequences (its `EngineRequest`s, in order): each step's outputs become per-sequence pieces (the
     `return_full_text` prefix before the first), stream chunks, and at the end the final responses."""
@@ -91,9 +101,9 @@ class OutputProcessor:
         return Response("", prompt_length, generated_length, reason, [], lp, cached_tokens=cached_tokens)
 
     def update(self, outputs) -> dict[int, Response]:
-        """Fold outputs in step order (one step's, or several steps' that a unary call's sink held); the latest piece of
-        each sequence that had news."""
-        news = {}
+        """Fold outputs in step order (one step's, or several steps' that a replica's sink held); each sequence that
+        had news: its new piece (several steps' pieces joined into one)."""
+        news: dict[int, Response] = {}
         for o in outputs:
             i = self._index[o.uid]
             req = self.requests[i]
@@ -106,6 +116,8 @@ class OutputProcessor:
             if o.prompt_logprobs is not None:
                 piece.prompt_logprobs = logprob_entries(o.prompt_logprobs)
             self.joined.add_piece(i, piece)
+            if i in news:
+                piece = _join(news[i], piece)
             news[i] = self._latest[i] = piece
             if o.finished:
                 self.pending.discard(o.uid)

@@ -529,7 +529,8 @@ def replica_launch(cfg: MIIConfig, index: int, threads: int, gpus: Optional[list
         update["device_map"] = DEVICE_MAP_DEFAULT
     own = mc.model_copy(update=update)
     spec = dict(index=index, model_config=own.model_dump(mode="json"),
-                max_waiting_requests=cfg.max_waiting_requests, model_name=model_name, api_key=cfg.api_key,
+                max_waiting_requests=cfg.max_waiting_requests, stream_interval_ms=cfg.stream_interval_ms,
+                model_name=model_name, api_key=cfg.api_key,
                 log_level=log.getEffectiveLevel(),
                 ready_file=str(tmp / f"replica{index}.ready"), error_file=str(tmp / f"replica{index}.error"))
     return spec, env

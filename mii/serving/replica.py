@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -52,16 +53,20 @@ class _Add:
 class _Sink:
     """Delivers engine-thread events to one asyncio handler: ("added", uids), ("error", exc), ("out", outputs).
 
-    A unary call's sink (`hold`) keeps its outputs on the engine thread until one of its sequences finishes, and
-    notes when each sequence's first and last tokens came: its handler wakes once per finished sequence, not every
-    step (on a machine whose cores all run the step, each wake takes one of them away from it)."""
+    Each delivery wakes the handler (and, for a stream, the front process), and on a machine whose cores all run
+    the engine's step, each wake takes one of them away from it. So the engine thread keeps a call's outputs until
+    a delivery is due: a unary call's (`hold`) until one of its sequences finishes, noting when each sequence's
+    first and last tokens came; a stream's for at most `interval` seconds since its last delivery (its first
+    outputs and a finished sequence's at once)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, hold: bool = False):
+    def __init__(self, loop: asyncio.AbstractEventLoop, hold: bool = False, interval: float = 0.0):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.start = time.perf_counter()
         self.hold = hold
+        self.interval = interval
         self._held: list[RequestOutput] = []
+        self._sent = -math.inf
         self.token_times: dict[int, list[float]] = {}
         """uid -> [first, last] token's time (`perf_counter`), kept when `hold`."""
 
@@ -70,16 +75,25 @@ class _Sink:
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs of this call (engine thread)."""
+        now = time.perf_counter()
         if self.hold:
-            now = time.perf_counter()
             for o in outputs:
                 if o.token_ids:
                     self.token_times.setdefault(o.uid, [now, now])[1] = now
-            self._held += outputs
-            if not any(o.finished for o in outputs):
-                return
-            outputs, self._held = self._held, []
+        self._held += outputs
+        due = now - self._sent >= self.interval and not self.hold
+        if not due and not any(o.finished for o in outputs):
+            return
+        self._sent = now
+        outputs, self._held = self._held, []
         self.put("out", outputs)
+
+    def fail(self, error: Exception) -> None:
+        """End the call with `error` after the outputs it holds (a stream's tokens before a failure are sent)."""
+        if self._held:
+            self.put("out", self._held)
+            self._held = []
+        self.put("error", error)
 
 
 class EngineLoop:
@@ -150,7 +164,7 @@ class EngineLoop:
         for uid in [uid for uid, s in self._sinks.items() if s is sink]:
             del self._sinks[uid]
             self.engine.abort(uid)
-        sink.put("error", error)
+        sink.fail(error)
 
     def _run(self) -> None:
         engine = self.engine
@@ -171,7 +185,7 @@ class EngineLoop:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 for uid, sink in list(self._sinks.items()):
                     engine.abort(uid)
-                    sink.put("error", e)
+                    sink.fail(e)
                 self._sinks.clear()
                 continue
             by_sink: dict[int, tuple[_Sink, list[RequestOutput]]] = {}
@@ -197,8 +211,11 @@ class EngineLoop:
 class ReplicaServicer(pb2_grpc.ModelResponseServicer):
     """MII's service on one engine. Each call expands prompts × n into sequences and streams their outputs."""
 
-    def __init__(self, loop: EngineLoop, inputs: InputProcessor, index: int, model_name: str, on_terminate):
+    def __init__(self, loop: EngineLoop, inputs: InputProcessor, index: int, model_name: str, on_terminate,
+                 stream_interval: float = 0.0):
         self.loop = loop
+        self.stream_interval = stream_interval
+        """Seconds between a stream's chunks at most (`MIIConfig.stream_interval_ms`)."""
         self.inputs = inputs
         self.index = index
         self.model_name = model_name
@@ -244,7 +261,7 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
 
     async def GeneratorReplyStream(self, request, context):
         # aclosing: a cancelled stream aborts its sequences at once, not when the event loop finalizes `_generate`
-        sink = _Sink(asyncio.get_running_loop())
+        sink = _Sink(asyncio.get_running_loop(), interval=self.stream_interval)
         async with contextlib.aclosing(self._generate(request, context, sink)) as steps:
             async for outputs, news, elapsed in steps:
                 yield to_multi_reply(outputs.chunk(news), elapsed)
@@ -302,7 +319,7 @@ async def serve_replica(spec: dict) -> None:
     done = asyncio.Event()
     aloop = asyncio.get_running_loop()
     servicer = ReplicaServicer(engine_loop, built.input_processor(), index, spec.get("model_name", ""),
-                               lambda: aloop.call_soon_threadsafe(done.set))
+                               lambda: aloop.call_soon_threadsafe(done.set), spec.get("stream_interval_ms", 0) / 1000)
     pb2_grpc.add_ModelResponseServicer_to_server(servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(pb2.DESCRIPTOR.services_by_name["ModelResponse"].full_name,

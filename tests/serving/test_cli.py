@@ -26,7 +26,7 @@ def test_serve_default_model_then_sigterm(tmp_path):
     port, grpc_port, name = free_port(), free_port(), unique_name("test-cli")
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([MII, "serve", "--port", str(port), "--grpc-port", str(grpc_port), "--deployment-name",
-                             name, "--max-batch-tokens", "64"], stdout=log, stderr=subprocess.STDOUT,
+                             name, "--max-batch-tokens", "64", "--stream-interval-ms", "10000"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     replica_pids = []
@@ -48,9 +48,13 @@ def test_serve_default_model_then_sigterm(tmp_path):
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
-        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
-                       for line in lines[:-1] if json.loads(line[6:])["choices"])
+        pieces = [json.loads(line[6:])["choices"][0]["delta"].get("content") for line in lines[:-1]
+                  if json.loads(line[6:])["choices"]]
+        text = "".join(p or "" for p in pieces)
         assert "Paris" in text
+        # --stream-interval-ms 10000: the first token at once, the rest with the finished sequence
+        sent = [p for p in pieces if p]
+        assert len(sent) == 2 and len(sent[1]) > len("Paris"), pieces
 
         # the engine took the token budget asked for (its plan, logged by the replica)
         assert re.search(r"token budget\s+64\b", (tmp_path / "serve.log").read_text())

@@ -32,7 +32,8 @@ def test_token_ids_n_and_return_full_text(deployment):
 def test_streaming_fn_several_prompts(deployment):
     chunks = []
     final = deployment.generate(["one", "two two"], streaming_fn=chunks.append, max_new_tokens=6, do_sample=False)
-    assert len(chunks) >= 6 and all(isinstance(c, list) and len(c) == 2 for c in chunks)
+    # the first tokens at once, the rest within the deployment's stream interval (20 ms) and at the finish
+    assert len(chunks) >= 2 and all(isinstance(c, list) and len(c) == 2 for c in chunks)
     for i in range(2):
         assert "".join(c[i].generated_text for c in chunks) == final[i].generated_text
     assert [c[0].finish_reason for c in chunks][-1] == "length"

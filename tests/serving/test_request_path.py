@@ -108,9 +108,10 @@ def test_balancer_weighs_prompts_times_n():
     assert num_sequences(make_request(["a", [1, 2]], {"n": [1, 4]})) == 5
 
 
-def test_a_unary_call_wakes_its_handler_once_per_finished_sequence(pipe):
+def test_the_engine_thread_wakes_a_unary_call_per_finished_sequence_and_a_stream_per_interval(pipe):
     """The replica's engine thread holds a unary call's outputs until one of its sequences finishes (and notes each
-    sequence's first and last token times), where a stream's handler gets every step: the same tokens either way."""
+    sequence's first and last token times); a stream's handler gets the first step's outputs at once, then at most
+    one delivery per interval and each finished sequence's at once (interval 0: every step). The same tokens."""
     import asyncio
 
     from mii.engine.requests import InputProcessor
@@ -120,8 +121,8 @@ def test_a_unary_call_wakes_its_handler_once_per_finished_sequence(pipe):
     inputs = InputProcessor(pipe.tokenizer, pipe.engine.limits)
     engine_loop = EngineLoop(pipe.engine)
 
-    async def call(hold: bool):
-        sink = _Sink(asyncio.get_running_loop(), hold=hold)
+    async def call(hold: bool, interval: float = 0.0):
+        sink = _Sink(asyncio.get_running_loop(), hold=hold, interval=interval)
         engine_loop.submit(inputs.process(prompts, kwargs)[0], sink)
         kind, uids = await asyncio.wait_for(sink.queue.get(), 60)
         assert kind == "added"
@@ -138,10 +139,11 @@ def test_a_unary_call_wakes_its_handler_once_per_finished_sequence(pipe):
 
     engine_loop.start()
     try:
-        held, streamed = asyncio.run(call(True)), asyncio.run(call(False))
+        held, streamed, spaced = asyncio.run(call(True)), asyncio.run(call(False)), asyncio.run(call(False, 60.0))
     finally:
         engine_loop.stop()
-    assert held[0] == streamed[0] == [r.token_ids for r in pipe(prompts, **kwargs)]
-    assert held[1] == 2 and streamed[1] == 9  # a wake per finished sequence; one per step
+    assert held[0] == streamed[0] == spaced[0] == [r.token_ids for r in pipe(prompts, **kwargs)]
+    # a wake per finished sequence; one per step; the first step's, then the finished sequences'
+    assert (held[1], streamed[1], spaced[1]) == (2, 9, 3)
     (first0, last0), (first1, last1) = held[2]
-    assert first0 < last0 < last1 and first1 < last1 and streamed[2] == [None, None]
+    assert first0 < last0 < last1 and first1 < last1 and streamed[2] == spaced[2] == [None, None]
