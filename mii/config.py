@@ -225,7 +225,7 @@ class MIIConfig(_Config):
     max_waiting_requests: Optional[int] = Field(None, ge=0)
     """Requests an engine may hold waiting for a slot before new ones are refused at once (gRPC RESOURCE_EXHAUSTED,
     HTTP 429); unbounded (up to `max_tracked_sequences`) when unset."""
-    stream_interval_ms: float = Field(20.0, ge=0, le=10_000)
+    stream_interval_ms: float = Field(20.0, ge=0, le=10_000, allow_inf_nan=False)
     """A stream's chunks come at most this often (milliseconds) per request: the tokens of the steps between join the
     next chunk. The first token and the last are sent at once. Each chunk wakes the replica's handler and the front
     process, which on a machine of few cores take them from the engine's steps (one stream on 2 cores: 20 ms streamed

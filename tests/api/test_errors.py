@@ -117,3 +117,10 @@ def test_ray_without_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where it is not installed
     with pytest.raises(ValidationError, match=r"cluster='ray' needs Ray.*pip install 'mii\[ray\]'"):
         mii.serve("no/such/model", cluster="ray")
+
+
+@pytest.mark.parametrize("value, words", [(-1, "greater than or equal to 0"), (float("nan"), "finite number"),
+                                          ("x", "valid number"), (10**6, "less than or equal to 10000")])
+def test_a_bad_stream_interval_is_refused_before_any_process_starts(value, words):
+    with pytest.raises(ValidationError, match=f"stream_interval_ms: .*{words}"):
+        mii.serve("no/such/model", stream_interval_ms=value)
