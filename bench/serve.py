@@ -77,8 +77,10 @@ class Result:
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.tokens - 1) if self.tokens > 1 else None
 
     def token_gaps(self) -> tuple[list[float], bool]:
-        """(gap before each token after the first, exact?). Servers stream one chunk per token (mii, vLLM,
-        llama-server); if chunks and tokens differ in number, tokens are spread evenly over the chunks."""
+        """(gap before each token after the first, exact?). vLLM and llama-server stream one chunk per token, mii
+        at most one per `stream_interval_ms` (20 ms: several tokens where steps are faster, `--serve-args
+        "--stream-interval-ms 0"` for one a step); where chunks and tokens differ in number, tokens are spread
+        evenly over the chunks."""
         t, n = self.chunk_times, self.tokens
         exact = len(t) == n
         times = t if exact else [t[min(len(t) - 1, j * len(t) // max(n, 1))] for j in range(n)]
