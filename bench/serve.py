@@ -78,9 +78,8 @@ class Result:
 
     def token_gaps(self) -> tuple[list[float], bool]:
         """(gap before each token after the first, exact?). vLLM and llama-server stream one chunk per token, mii
-        at most one per `stream_interval_ms` (20 ms: several tokens where steps are faster, `--serve-args
-        "--stream-interval-ms 0"` for one a step); where chunks and tokens differ in number, tokens are spread
-        evenly over the chunks."""
+        at most one per `stream_interval_ms` (by default 20 ms: several tokens where steps are faster; --spawn-mii
+        sets 0, one a step); where chunks and tokens differ in number, tokens are spread evenly over the chunks."""
         t, n = self.chunk_times, self.tokens
         exact = len(t) == n
         times = t if exact else [t[min(len(t) - 1, j * len(t) // max(n, 1))] for j in range(n)]
@@ -366,7 +365,9 @@ def _free_port() -> int:
 
 class SpawnedMii:
     """`mii serve` on free loopback ports, in its own session; stopped by its PID (SIGTERM, which takes its
-    engine processes with it; SIGKILL to its process group if it is still there after 30 s)."""
+    engine processes with it; SIGKILL to its process group if it is still there after 30 s). It streams a chunk
+    every engine step (`--stream-interval-ms 0`, unless `extra` says otherwise), as the peers stream a chunk a
+    token: every token's time is then measured, not spread over a chunk."""
 
     def __init__(self, model: str | None, extra: list[str], timeout: float):
         exe = Path(sys.executable).parent / "mii"
@@ -374,7 +375,8 @@ class SpawnedMii:
         self.port = _free_port()
         cmd += ["serve", *([model] if model else []), "--host", "127.0.0.1", "--port", str(self.port),
                 "--grpc-port", str(_free_port()), "--deployment-name", f"bench-serve-{uuid.uuid4().hex[:8]}",
-                "--quiet", *extra]
+                "--quiet", *([] if any(a.startswith("--stream-interval-ms") for a in extra) else
+                             ["--stream-interval-ms", "0"]), *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mii-serve-", suffix=".log", delete=False)
         print(f"starting: {shlex.join(cmd)}  (log: {self.log.name})", flush=True)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

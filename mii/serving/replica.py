@@ -73,20 +73,22 @@ class _Sink:
     def put(self, kind: str, value) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
 
-    def deliver(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs of this call (engine thread)."""
+    def deliver(self, outputs: list[RequestOutput]) -> bool:
+        """One step's outputs of this call (engine thread; [] for a step without any, where a stream's held outputs
+        may be due). True while a stream holds outputs that are not due yet."""
         now = time.perf_counter()
         if self.hold:
             for o in outputs:
                 if o.token_ids:
                     self.token_times.setdefault(o.uid, [now, now])[1] = now
         self._held += outputs
-        due = now - self._sent >= self.interval and not self.hold
-        if not due and not any(o.finished for o in outputs):
-            return
+        due = any(o.finished for o in outputs) or (not self.hold and now - self._sent >= self.interval)
+        if not (self._held and due):
+            return bool(self._held) and not self.hold
         self._sent = now
         outputs, self._held = self._held, []
         self.put("out", outputs)
+        return False
 
     def fail(self, error: Exception) -> None:
         """End the call with `error` after the outputs it holds (a stream's tokens before a failure are sent)."""
@@ -104,6 +106,9 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, _Sink] = {}
+        self._holding: dict[int, _Sink] = {}
+        """Streams that hold outputs not yet due, by id: a step without their outputs (a sequence preempted or
+        waiting for room) still sends them when due."""
         self._stopping = False
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -156,7 +161,8 @@ class EngineLoop:
             cmd.sink.put("added", uids)
         else:
             for uid in cmd[1]:
-                if self._sinks.pop(uid, None) is not None:
+                if (sink := self._sinks.pop(uid, None)) is not None:
+                    self._holding.pop(id(sink), None)
                     self.engine.abort(uid)
 
     def _fail_call(self, sink: _Sink, error: Exception) -> None:
@@ -164,6 +170,7 @@ class EngineLoop:
         for uid in [uid for uid, s in self._sinks.items() if s is sink]:
             del self._sinks[uid]
             self.engine.abort(uid)
+        self._holding.pop(id(sink), None)
         sink.fail(error)
 
     def _run(self) -> None:
@@ -187,6 +194,7 @@ class EngineLoop:
                     engine.abort(uid)
                     sink.fail(e)
                 self._sinks.clear()
+                self._holding.clear()
                 continue
             by_sink: dict[int, tuple[_Sink, list[RequestOutput]]] = {}
             for o in outs:
@@ -204,8 +212,14 @@ class EngineLoop:
             # the stats first: a client that has this step's tokens then sees at least this step's stats (a loaded
             # machine could run a client's EngineStats between the two, which answered with the step before's)
             self.stats = self._snapshot()
-            for sink, group in by_sink.values():
-                sink.deliver(group)
+            for key, (sink, group) in by_sink.items():
+                if sink.deliver(group):
+                    self._holding[key] = sink
+                else:
+                    self._holding.pop(key, None)
+            for key, sink in list(self._holding.items()):
+                if key not in by_sink and not sink.deliver([]):
+                    del self._holding[key]
 
 
 class ReplicaServicer(pb2_grpc.ModelResponseServicer):

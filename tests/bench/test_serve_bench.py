@@ -38,7 +38,7 @@ def test_sweep_against_spawned_mii(tiny_model, tmp_path, capsys):  # noqa: F811
         assert row["requests"] == 3 and row["errors"] == 0 and row["short"] == 0
         assert row["prompt_tokens"] == row["asked_prompt_tokens"] == sum(map(len, prompts))
         assert row["completion_tokens"] == row["asked_output_tokens"] == sum(outputs)
-        assert row["approximate_token_times"] == 0  # mii streams one chunk per token
+        assert row["approximate_token_times"] == 0  # --spawn-mii: one chunk per token (--stream-interval-ms 0)
         for key in ("ttft_ms", "tpot_ms"):
             assert 0 < row[key]["p50"] <= row[key]["p99"]
         assert row["request_throughput"] > 0 and 0 <= row["sla_met"] <= 1

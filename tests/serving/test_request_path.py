@@ -147,3 +147,35 @@ def test_the_engine_thread_wakes_a_unary_call_per_finished_sequence_and_a_stream
     assert (held[1], streamed[1], spaced[1]) == (2, 9, 3)
     (first0, last0), (first1, last1) = held[2]
     assert first0 < last0 < last1 and first1 < last1 and streamed[2] == spaced[2] == [None, None]
+
+
+def test_a_stream_sends_what_it_holds_when_due_even_in_a_step_without_its_outputs():
+    """A stream's sink (engine thread): the first outputs at once, then held until the interval passed; a step in
+    which the call had no outputs (a sequence preempted, or waiting for room) sends them once due."""
+    import asyncio
+    import time
+
+    from mii.engine.engine import RequestOutput
+    from mii.response import FinishReason
+    from mii.serving.replica import _Sink
+
+    loop = asyncio.new_event_loop()
+    try:
+        sink = _Sink(loop, interval=0.2)
+
+        def out(text, finished=False):
+            return RequestOutput(1, text, [5], finished, FinishReason.STOP if finished else FinishReason.NONE, 1, 1)
+
+        assert sink.deliver([out("a")]) is False  # the first at once
+        assert sink.deliver([out("b")]) is True and sink.deliver([]) is True  # held, not due
+        time.sleep(0.25)
+        assert sink.deliver([]) is False and sink.deliver([]) is False  # due: sent; then nothing to send
+        assert sink.deliver([out("c")]) is True and sink.deliver([out("d", True)]) is False  # a finish: at once
+        loop.run_until_complete(asyncio.sleep(0))
+        sent = []
+        while not sink.queue.empty():
+            kind, outputs = sink.queue.get_nowait()
+            sent.append((kind, [o.text for o in outputs]))
+        assert sent == [("out", ["a"]), ("out", ["b"]), ("out", ["c", "d"])]
+    finally:
+        loop.close()
