@@ -229,7 +229,7 @@ class MIIConfig(_Config):
     """A stream's chunks come at most this often (milliseconds) per request: the tokens of the steps between join the
     next chunk. The first token and the last are sent at once. Each chunk wakes the replica's handler and the front
     process, which on a machine of few cores take them from the engine's steps (one stream on 2 cores: 20 ms streamed
-    ~1.4x faster than a chunk every step). 0: a chunk every engine step, as MII and vLLM send them."""
+    ~1.25x faster than a chunk every step). 0: a chunk every engine step, as MII and vLLM send them."""
     request_timeout: Optional[float] = Field(None, gt=0)
     """Seconds a request may take from arrival to its last token; past it the request is aborted (its KV blocks
     freed) and answered with gRPC DEADLINE_EXCEEDED / HTTP 504. A client's own gRPC deadline applies as well.
