@@ -132,8 +132,8 @@ class ModelRunner:
         self.graphs = None  # mii.engine.cuda_graphs.DecodeGraphs on a GPU: decode steps replayed from CUDA graphs
 
     def pace(self) -> tuple[int, int]:
-        """(the threads the steps take now, between tries of one more; how often the pace took one fewer): the plan's
-        threads and 0 without a paced stack."""
+        """(the threads the steps take now, between trials; how often the pace took one fewer): the plan's threads
+        and 0 without a paced stack."""
         if self.paced is None:
             return self.threads, 0
         threads, drops, _, _ = torch.ops.mii.stack_pace(self.paced)

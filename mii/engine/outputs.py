@@ -61,16 +61,6 @@ class ResponseJoiner:
                                                      self._prompt_logprobs)]
 
 
-def _join(a: Response, b: Response) -> Response:
-    """Pieces `a` then `b` of one sequence as one: text, token ids and logprobs appended; counts and finish reason
-    from `b`; `a`'s prompt logprobs (only a sequence's first piece has them)."""
-    lp = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    joined = Response(a.generated_text + b.generated_text, b.prompt_length, b.generated_length, b.finish_reason,
-                      (a.token_ids or []) + (b.token_ids or []), lp, cached_tokens=b.cached_tokens)
-    joined.prompt_logprobs = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
-    return joined
-
-
 class OutputProcessor:
     """One call's sequences (its `EngineRequest`s, in order): each step's outputs become per-sequence pieces (the
     `return_full_text` prefix before the first), stream chunks, and at the end the final responses."""
@@ -79,16 +69,19 @@ class OutputProcessor:
         self.requests = requests
         self.joined = ResponseJoiner(len(requests))
         self._index: dict[int, int] = {}
-        self.uids: list[int] = []
         self.pending: set[int] = set()
         self._started = [False] * len(requests)
         self._latest = [self._idle(i, len(r.prompt_ids), 0, FinishReason.NONE, 0) for i, r in enumerate(requests)]
 
     def bind(self, uids: list[int]) -> None:
         """The engine's uids of the requests, in order."""
-        self.uids = list(uids)
         self._index = {uid: i for i, uid in enumerate(uids)}
         self.pending = set(uids)
+
+    @property
+    def uids(self) -> list[int]:
+        """The engine's uids of the requests, in order (as bound)."""
+        return list(self._index)
 
     @property
     def finished(self) -> bool:
@@ -116,8 +109,11 @@ class OutputProcessor:
             if o.prompt_logprobs is not None:
                 piece.prompt_logprobs = logprob_entries(o.prompt_logprobs)
             self.joined.add_piece(i, piece)
-            if i in news:
-                piece = _join(news[i], piece)
+            if i in news:  # several steps' pieces of one sequence (a replica's sink held them): one piece
+                both = ResponseJoiner(1)
+                both.add_piece(0, news[i])
+                both.add_piece(0, piece)
+                piece = both.responses()[0]
             news[i] = self._latest[i] = piece
             if o.finished:
                 self.pending.discard(o.uid)
