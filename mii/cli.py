@@ -115,6 +115,8 @@ def cmd_serve(args) -> int:
         state_manager["max_context"] = args.max_context
     if args.max_batch_tokens is not None:
         state_manager["max_ragged_batch_size"] = args.max_batch_tokens
+    if args.itl_target_ms is not None:
+        state_manager["itl_target_ms"] = args.itl_target_ms
     if state_manager:
         kwargs["inference_engine_config"] = {"state_manager": state_manager}
     if args.num_threads:
@@ -219,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens one step may carry, prompt chunks and decode tokens together (MII's "
                         "max_ragged_batch_size): smaller holds running streams less behind a long prompt, larger "
                         "fills the machine (default: the engine plan's, from a matmul probe on CPU)")
+    v.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency to keep running streams within: prompt chunks beside them are cut to "
+                        "what fits (default: none, chunks fill the token budget)")
     v.add_argument("--num-threads", type=int, default=None, help="CPU threads per engine process (default: cores / (replicas x tensor-parallel ranks))")
     v.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json", "mistral"],
                    help="format of the model's tool calls for tool_choice=auto (default: auto, from the chat template)")

@@ -47,6 +47,10 @@ class StateManagerConfig(_Config):
     default). The engine plan shows the choice and why."""
     max_ragged_sequence_count: int = Field(512, ge=1)
     """Most sequences in one forward pass."""
+    itl_target_ms: Optional[float] = Field(None, gt=0, le=60_000, allow_inf_nan=False)
+    """Inter-token latency target of running streams: a step with decode tokens carries only the prompt tokens that
+    keep every stream's gaps (their EMA over 16 tokens, as FastGen's SLA) within it, by the step times measured so
+    far (`mii.engine.pacing`). Unset: prompt chunks fill the token budget (throughput first)."""
     max_context: int = Field(8192, ge=1)
     """Longest sequence (prompt + generated) the engine accepts; also capped by the model's own context."""
     kv_block_size: Optional[int] = Field(None, ge=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,6 +25,7 @@ from mii.engine.cuda_graphs import plan_cuda_graphs
 from mii.engine.detokenizer import Detokenizer
 from mii.engine.kv_cache import KVCacheManager
 from mii.engine.model_runner import ModelRunner
+from mii.engine.pacing import Pacer
 from mii.engine.plan import EnginePlan, plan_device, plan_memory
 from mii.engine.requests import EngineRequest, RequestLimits
 from mii.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
@@ -105,6 +107,8 @@ class Engine:
         if prefault is not None:
             prefault.spare = self.kv.allocator.num_reusable
         self.scheduler = Scheduler(self.kv, plan.max_batch_tokens, plan.max_batch_seqs)
+        plan.itl_target_ms = model_config.inference_engine_config.state_manager.itl_target_ms
+        self.pacer = Pacer(plan.itl_target_ms) if plan.itl_target_ms is not None else None
         if self.kv.capacity_tokens < plan.max_context:  # a longer sequence could never run
             plan.max_context = self.kv.capacity_tokens
             plan.reasons["max context"] = f"capped by the KV cache ({plan.kv_num_blocks} blocks of {plan.kv_block_size})"
@@ -155,6 +159,8 @@ class Engine:
         """A sequence leaves: its blocks go back, its matcher is dropped."""
         self.scheduler.finish(seq)
         seq.constraint = None
+        if self.pacer is not None:
+            self.pacer.forget(seq.uid)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -180,9 +186,29 @@ class Engine:
     # --- the loop ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        pacer = self.pacer
+        if pacer is None:
+            batch = self.scheduler.schedule()
+        else:
+            started = time.perf_counter()
+            cap, sched = None, self.scheduler
+            want = sched.prompt_tokens(sched.max_batch_tokens)
+            if want:
+                decoding = sched.decoding()
+                if decoding:
+                    cap = pacer.prompt_cap(decoding, sched.max_batch_tokens - len(decoding), want, started)
+            batch = sched.schedule(cap)
         if not batch:
             return []
+        results = self._run(batch)
+        if pacer is not None:
+            for seq in batch.preempted:  # it starts again as a new stream once recomputed
+                pacer.forget(seq.uid)
+            pacer.observe(batch.num_tokens, [c.seq.uid for c in batch.chunks if c.samples], started,
+                          time.perf_counter())
+        return results
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
             parts, failed = [(batch, self.runner.run(batch))], []
         except Exception as e:

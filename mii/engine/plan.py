@@ -43,6 +43,8 @@ class EnginePlan:
     """The KV cache's dtype ("" until planned: the compute dtype)."""
     max_batch_tokens: int = 0
     max_batch_seqs: int = 0
+    itl_target_ms: float | None = None
+    """`itl_target_ms`: prompt chunks beside running streams sized to keep their inter-token latency within it."""
     max_context: int = 0
     tensor_parallel: int = 1
     attention: str = "torch"
@@ -103,6 +105,8 @@ class EnginePlan:
                 ("kv_blocks", f"{self.kv_num_blocks} ({self.kv_num_blocks * self.kv_block_size} tokens, "
                               f"{self.kv_cache_bytes / 2**20:.0f} MiB)"),
                 ("token budget", self.max_batch_tokens), ("max sequences/step", self.max_batch_seqs),
+                ("prompt chunks", "fill the token budget" if self.itl_target_ms is None else
+                 f"beside running streams, what keeps their inter-token latency within {self.itl_target_ms:g} ms"),
                 ("max context", self.max_context),
                 ("prefix caching", "on" if self.prefix_caching else "off")]
         if self.cuda_graphs:

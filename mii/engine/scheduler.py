@@ -7,7 +7,8 @@ across steps, and a token is sampled only when a sequence's chunk reaches its la
 out, the newest running sequence is preempted: its blocks are freed and it is recomputed later from prompt +
 generated tokens. With prefix caching, a sequence starts (or starts again) on the cached blocks of its prefix
 (`KVCacheManager.cached_prefix`), and only the tokens it still computes count against the budget and the blocks.
-Pure Python, tested without a model.
+With `itl_target_ms` the engine also caps the prompt tokens of a step that carries decode tokens (`prompt_cap`,
+from `mii.engine.pacing`). Pure Python, tested without a model.
 """
 from __future__ import annotations
 
@@ -96,7 +97,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def decoding(self) -> list[Sequence]:
+        """Running sequences in decode (one pending token), in the order `schedule` takes them."""
+        return [s for s in self.running if s.num_pending == 1]
+
+    def prompt_tokens(self, most: int) -> int:
+        """Tokens of prompts waiting to start or part-way, counted up to `most`."""
+        n = 0
+        for s in itertools.chain(self.running, self.waiting):
+            if s.num_pending > 1 or s.status is SeqStatus.WAITING:
+                n += s.num_pending
+                if n >= most:
+                    return most
+        return n
+
+    def schedule(self, prompt_cap: int | None = None) -> ScheduledBatch:
+        """The next step's chunks; with `prompt_cap`, its prompt chunks carry at most that many tokens when the step
+        has decode tokens (`mii.engine.pacing`)."""
         batch = ScheduledBatch()
         budget = self.max_batch_tokens
         scheduled: set[int] = set()
@@ -119,6 +136,8 @@ class Scheduler:
 
         # 2. prompt chunks: running sequences part-way through their prompt, then waiting ones in order
         # (a sequence preempted in this step waits for the next one, so it does not take back what it freed)
+        if prompt_cap is not None and batch.chunks:
+            budget = min(budget, prompt_cap)
         candidates = [s for s in self.running if s.num_pending > 1] + [
             s for s in self.waiting if not any(s is p for p in batch.preempted)]
         for seq in candidates:

@@ -26,7 +26,8 @@ def test_serve_default_model_then_sigterm(tmp_path):
     port, grpc_port, name = free_port(), free_port(), unique_name("test-cli")
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([MII, "serve", "--port", str(port), "--grpc-port", str(grpc_port), "--deployment-name",
-                             name, "--max-batch-tokens", "64", "--stream-interval-ms", "10000"], stdout=log, stderr=subprocess.STDOUT,
+                             name, "--max-batch-tokens", "64", "--stream-interval-ms", "10000",
+                             "--itl-target-ms", "50"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     replica_pids = []
@@ -56,8 +57,10 @@ def test_serve_default_model_then_sigterm(tmp_path):
         sent = [p for p in pieces if p]
         assert len(sent) == 2 and len(sent[1]) > len("Paris"), pieces
 
-        # the engine took the token budget asked for (its plan, logged by the replica)
-        assert re.search(r"token budget\s+64\b", (tmp_path / "serve.log").read_text())
+        # the engine took the token budget and the latency target asked for (its plan, logged by the replica)
+        plan = (tmp_path / "serve.log").read_text()
+        assert re.search(r"token budget\s+64\b", plan)
+        assert re.search(r"prompt chunks\s+beside running streams, .* within 50 ms", plan)
 
         client = mii.client(name)
         replica_pids = [r["pid"] for r in client.record["replicas"]]
