@@ -192,11 +192,10 @@ class Engine:
         else:
             started = time.perf_counter()
             cap, sched = None, self.scheduler
-            want = sched.prompt_tokens(sched.max_batch_tokens)
-            if want:
+            if sched.has_prompts():
                 decoding = sched.decoding()
                 if decoding:
-                    cap = pacer.prompt_cap(decoding, sched.max_batch_tokens - len(decoding), want, started)
+                    cap = pacer.prompt_cap(decoding, sched.max_batch_tokens - len(decoding), started)
             batch = sched.schedule(cap)
         if not batch:
             return []

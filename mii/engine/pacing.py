@@ -6,7 +6,10 @@ every running stream waits that long for its next token. With a target, the engi
 step that carries decode tokens so that no stream's inter-token latency — its gaps' exponential moving average
 over `SPAN` tokens, bias-corrected as FastGen's SLA (and pandas' `ewm(span=16, adjust=True)`) computes it —
 exceeds the target after the step. A stream that has just begun has only its first gaps in that average, so
-big chunks wait until its average has room; one whose recent gaps were short lets a long chunk through at once.
+the chunks beside it are short until its average has room; one whose recent gaps were short lets a long chunk
+through at once. (Holding prompts back until 32 tokens fit, so that fewer and larger chunks run, was tried: in a
+simulation of this scheduler on the step costs of a 2-core CPU, `bench/pacing_sim.py`, it reached first tokens
+later: 30-31% against 38-42% of W64-like requests within FastGen's SLA at 1 request/s.)
 
 The step's time is predicted from the steps this engine ran: mean time per step by its row count (prompt tokens
 plus decode tokens, in power-of-two bins), interpolated between the bins seen. Before a bin is seen, its time is
@@ -24,10 +27,6 @@ SPAN = 16
 """Tokens in the latency average: FastGen's SLA (its blog's benchmark) takes an EMA of span 16."""
 ALPHA = 2 / (SPAN + 1)
 DECAY = 1 - ALPHA
-MIN_CHUNK = 32
-"""Prompt tokens below which a chunk beside decode tokens waits for room (CPU steps of fewer rows cost more a row)."""
-PATIENCE = 8
-"""Decode-only steps a prompt waits for room for `MIN_CHUNK` tokens before it takes what fits."""
 MARGIN = 0.8
 """Share of the streams' room a step is planned to fill: step times vary (other processes share the cores)."""
 COST_WEIGHT = 0.25
@@ -114,11 +113,9 @@ class Pacer:
         self.target = target_ms / 1000
         self.costs = StepCosts()
         self.gaps: dict[int, StreamGaps] = {}  # seq uid -> its gaps, from its first token on
-        self.waited = 0  # decode-only steps since a prompt last took a chunk beside decode tokens
 
-    def prompt_cap(self, decoding: list, budget: int, want: int, now: float) -> int | None:
-        """Prompt tokens the next step may carry beside the decode tokens of `decoding` (None: no cap), with `want`
-        prompt tokens pending."""
+    def prompt_cap(self, decoding: list, budget: int, now: float) -> int | None:
+        """Prompt tokens (0..budget) the next step may carry beside the decode tokens of `decoding` (None: no cap)."""
         room, lost = None, 2 * self.target
         for seq in decoding:
             g = self.gaps.get(seq.uid)
@@ -127,12 +124,7 @@ class Pacer:
                 room = r if room is None or r < room else room
         if room is None:
             return None
-        fits = self.costs.most_rows(len(decoding), budget, MARGIN * room)
-        if fits < min(MIN_CHUNK, want) and self.waited < PATIENCE:
-            self.waited += 1
-            return 0
-        self.waited = 0
-        return fits
+        return self.costs.most_rows(len(decoding), budget, MARGIN * room)
 
     def observe(self, rows: int, sampled_uids, started: float, now: float) -> None:
         """After a step of `rows` rows begun at `started`: its time, and a gap for each sequence that got a token."""

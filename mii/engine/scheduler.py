@@ -101,15 +101,9 @@ class Scheduler:
         """Running sequences in decode (one pending token), in the order `schedule` takes them."""
         return [s for s in self.running if s.num_pending == 1]
 
-    def prompt_tokens(self, most: int) -> int:
-        """Tokens of prompts waiting to start or part-way, counted up to `most`."""
-        n = 0
-        for s in itertools.chain(self.running, self.waiting):
-            if s.num_pending > 1 or s.status is SeqStatus.WAITING:
-                n += s.num_pending
-                if n >= most:
-                    return most
-        return n
+    def has_prompts(self) -> bool:
+        """Whether a sequence waits to start or is part-way through its prompt."""
+        return bool(self.waiting) or any(s.num_pending > 1 for s in self.running)
 
     def schedule(self, prompt_cap: int | None = None) -> ScheduledBatch:
         """The next step's chunks; with `prompt_cap`, its prompt chunks carry at most that many tokens when the step

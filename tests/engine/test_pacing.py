@@ -72,21 +72,18 @@ def test_a_young_stream_lets_through_less_than_one_with_short_gaps():
     p = _pacer_with_costs()
     a = _Seq(1)
     p.observe(200, [1], started=0.0, now=0.2)  # a's prompt step gave its first token
-    assert p.prompt_cap([], 500, 300, now=0.2) is None  # no stream: no cap
-    # a's first gap must stay within 20 ms: 0.8 x 20 = 16 ms of step, 1 decode row + ~12 prompt rows; less than
-    # MIN_CHUNK, so the prompt waits up to PATIENCE decode-only steps for more room
-    assert [p.prompt_cap([a], 500, 300, now=0.2) for _ in range(pacing.PATIENCE)] == [0] * pacing.PATIENCE
-    assert p.prompt_cap([a], 500, 300, now=0.2) == p.costs.most_rows(1, 500, 0.8 * 0.020) == 12
-    assert p.prompt_cap([a], 500, 8, now=0.2) == 12  # 8 prompt tokens left: what fits is enough, no wait
+    assert p.prompt_cap([], 500, now=0.2) is None  # no stream: no cap
+    # a's first gap must stay within 20 ms: 0.8 x 20 = 16 ms of step, 1 decode row + 12 prompt rows
+    assert p.prompt_cap([a], 500, now=0.2) == p.costs.most_rows(1, 500, pacing.MARGIN * 0.020) == 12
     t = 0.2
     for _ in range(30):  # 30 gaps of 4 ms: the average has room for a long step
         t += 0.004
         p.observe(1, [1], started=t - 0.004, now=t)
     room = p.gaps[1].longest_gap(0.020)
     assert room > 0.1
-    assert p.prompt_cap([a], 500, 300, now=t) == p.costs.most_rows(1, 500, 0.8 * room) > 64
+    assert p.prompt_cap([a], 500, now=t) == p.costs.most_rows(1, 500, pacing.MARGIN * room) > 64
     # time already passed since a's last token counts against the room
-    assert p.prompt_cap([a], 500, 300, now=t + 0.05) < p.prompt_cap([a], 500, 300, now=t)
+    assert p.prompt_cap([a], 500, now=t + 0.05) < p.prompt_cap([a], 500, now=t)
 
 
 def test_a_stream_far_over_the_target_does_not_hold_the_others():
@@ -96,9 +93,9 @@ def test_a_stream_far_over_the_target_does_not_hold_the_others():
     p.observe(2, [1, 2], started=0.01, now=0.014)
     p.observe(2, [1], started=0.014, now=0.5)  # b preempted or stalled: a's gap is 486 ms
     assert p.gaps[1].mean > 2 * p.target
-    assert p.prompt_cap([a, b], 500, 300, now=0.5) == p.prompt_cap([b], 500, 300, now=0.5)
+    assert p.prompt_cap([a, b], 500, now=0.5) == p.prompt_cap([b], 500, now=0.5)
     p.forget(2)
-    assert p.prompt_cap([a], 500, 300, now=0.5) is None and 2 not in p.gaps
+    assert p.prompt_cap([a], 500, now=0.5) is None and 2 not in p.gaps
 
 
 def test_the_scheduler_caps_prompt_chunks_only_beside_decode_tokens():
@@ -110,13 +107,15 @@ def test_the_scheduler_caps_prompt_chunks_only_beside_decode_tokens():
     assert [(c.seq.uid, c.length) for c in first.chunks] == [(0, 3)]
     s.update(first, {0: 7})
     s.add(b)
-    assert s.decoding() == [a] and s.prompt_tokens(1000) == 40 and s.prompt_tokens(10) == 10
+    assert s.decoding() == [a] and s.has_prompts()
     batch = s.schedule(prompt_cap=5)
     assert [(c.seq.uid, c.length, c.samples) for c in batch.chunks] == [(0, 1, True), (1, 5, False)]
     s.update(batch, {0: 7})
-    assert s.prompt_tokens(1000) == 35
     batch = s.schedule(prompt_cap=0)
     assert [(c.seq.uid, c.length) for c in batch.chunks] == [(0, 1)]
+    s.update(batch, {0: 7})
+    s.update(s.schedule(), {0: 7, 1: 7})  # no cap: b's 35 prompt tokens left fit the budget
+    assert not s.has_prompts() and s.decoding() == [a, b]
 
 
 def test_bad_targets_are_refused_by_name():
