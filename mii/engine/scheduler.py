@@ -160,7 +160,7 @@ class Scheduler:
         # 3. nothing fits while sequences hold blocks mid-prompt: free the newest one so the rest can progress
         if not batch.chunks and self.running:
             self._preempt(self.running[-1], batch)
-            retry = self.schedule()
+            retry = self.schedule(prompt_cap)
             retry.preempted[:0] = batch.preempted
             return retry
         return batch
