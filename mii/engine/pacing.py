@@ -27,8 +27,11 @@ SPAN = 16
 """Tokens in the latency average: FastGen's SLA (its blog's benchmark) takes an EMA of span 16."""
 ALPHA = 2 / (SPAN + 1)
 DECAY = 1 - ALPHA
-MARGIN = 0.8
-"""Share of the streams' room a step is planned to fill: step times vary (other processes share the cores)."""
+SIGMAS = 3.0
+"""A step is planned to fill the share of the streams' room that leaves this many standard deviations of the
+recent error of the time predictions (steps vary: other processes share the cores)."""
+ERROR_WEIGHT = 0.05
+"""Weight of a step in the error's moving mean and spread (~20 steps)."""
 COST_WEIGHT = 0.25
 """Weight of a new step's time in its bin's mean: a few steps follow a change of the machine's pace."""
 
@@ -113,6 +116,8 @@ class Pacer:
         self.target = target_ms / 1000
         self.costs = StepCosts()
         self.gaps: dict[int, StreamGaps] = {}  # seq uid -> its gaps, from its first token on
+        self.ratio, self.ratio_sq = 1.0, 1.01  # moving means of a step's time / its prediction and of its square
+        # (a spread of 0.1 until steps are seen: a share of 0.77)
 
     def prompt_cap(self, decoding: list, budget: int, now: float) -> int | None:
         """Prompt tokens (0..budget) the next step may carry beside the decode tokens of `decoding` (None: no cap)."""
@@ -124,11 +129,24 @@ class Pacer:
                 room = r if room is None or r < room else room
         if room is None:
             return None
-        return self.costs.most_rows(len(decoding), budget, MARGIN * room)
+        return self.costs.most_rows(len(decoding), budget, self.share() * room)
+
+    def share(self) -> float:
+        """Share of the room a step is planned to fill: 1 / (mean + SIGMAS x spread) of the steps' time over their
+        prediction, between 0.5 and 1."""
+        spread = max(self.ratio_sq - self.ratio * self.ratio, 0.0) ** 0.5
+        return min(max(1.0 / (self.ratio + SIGMAS * spread), 0.5), 1.0)
 
     def observe(self, rows: int, sampled_uids, started: float, now: float) -> None:
-        """After a step of `rows` rows begun at `started`: its time, and a gap for each sequence that got a token."""
-        self.costs.record(rows, now - started)
+        """After a step of `rows` rows begun at `started`: its time (and how far it was from its prediction), and a
+        gap for each sequence that got a token."""
+        took = now - started
+        predicted = self.costs.predict(self.costs.points(), rows)
+        if predicted > 0:
+            r = took / predicted
+            self.ratio += ERROR_WEIGHT * (r - self.ratio)
+            self.ratio_sq += ERROR_WEIGHT * (r * r - self.ratio_sq)
+        self.costs.record(rows, took)
         gaps = self.gaps
         for uid in sampled_uids:
             g = gaps.get(uid)

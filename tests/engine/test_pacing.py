@@ -1,5 +1,7 @@
 """`itl_target_ms` (`mii.engine.pacing`): the streams' latency averages, the learned step costs, the cap they give a
 step's prompt chunks, and a pipeline on a tiny random Llama run on a simulated clock, with and without a target."""
+import random
+
 import pytest
 
 import mii
@@ -70,20 +72,36 @@ def _pacer_with_costs(target_ms=20.0):
 
 def test_a_young_stream_lets_through_less_than_one_with_short_gaps():
     p = _pacer_with_costs()
+    assert p.share() == pytest.approx(1 / 1.3)  # no error seen yet: a spread of 0.1 assumed
     a = _Seq(1)
     p.observe(200, [1], started=0.0, now=0.2)  # a's prompt step gave its first token
     assert p.prompt_cap([], 500, now=0.2) is None  # no stream: no cap
-    # a's first gap must stay within 20 ms: 0.8 x 20 = 16 ms of step, 1 decode row + 12 prompt rows
-    assert p.prompt_cap([a], 500, now=0.2) == p.costs.most_rows(1, 500, pacing.MARGIN * 0.020) == 12
+    # a's first gap must stay within 20 ms: the share of it planned (~0.77) is ~15.5 ms of step, 1 decode row + 11
+    # prompt rows
+    assert p.prompt_cap([a], 500, now=0.2) == p.costs.most_rows(1, 500, p.share() * 0.020) == 11
     t = 0.2
     for _ in range(30):  # 30 gaps of 4 ms: the average has room for a long step
         t += 0.004
         p.observe(1, [1], started=t - 0.004, now=t)
     room = p.gaps[1].longest_gap(0.020)
     assert room > 0.1
-    assert p.prompt_cap([a], 500, now=t) == p.costs.most_rows(1, 500, pacing.MARGIN * room) > 64
+    assert p.prompt_cap([a], 500, now=t) == p.costs.most_rows(1, 500, p.share() * room) > 64
     # time already passed since a's last token counts against the room
     assert p.prompt_cap([a], 500, now=t + 0.05) < p.prompt_cap([a], 500, now=t)
+
+
+def test_the_share_of_the_room_follows_the_predictions_error():
+    """Steps as predicted: the whole room; steps 1.5x their prediction: two thirds; steps that scatter: less."""
+    steady, late, scattered = _pacer_with_costs(), _pacer_with_costs(), _pacer_with_costs()
+    rng = random.Random(0)
+    for i in range(200):
+        steady.observe(128, [], started=0.0, now=0.132)
+        late.observe(128, [], started=0.0, now=0.132 * 1.5)
+        late.costs.bins[(128).bit_length()][1] = 0.132  # (keep its prediction where it was)
+        scattered.observe(128, [], started=0.0, now=0.132 * rng.choice([0.7, 1.3]))
+    assert steady.share() == pytest.approx(1.0, abs=0.01)
+    assert late.share() == pytest.approx(1 / 1.5, rel=0.02)
+    assert 0.5 <= scattered.share() < 0.65
 
 
 def test_a_stream_far_over_the_target_does_not_hold_the_others():
