@@ -94,7 +94,7 @@ def test_the_share_of_the_room_follows_the_predictions_error():
     """Steps as predicted: the whole room; steps 1.5x their prediction: two thirds; steps that scatter: less."""
     steady, late, scattered = _pacer_with_costs(), _pacer_with_costs(), _pacer_with_costs()
     rng = random.Random(0)
-    for i in range(200):
+    for _ in range(200):
         steady.observe(128, [], started=0.0, now=0.132)
         late.observe(128, [], started=0.0, now=0.132 * 1.5)
         late.costs.bins[(128).bit_length()][1] = 0.132  # (keep its prediction where it was)
