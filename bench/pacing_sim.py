@@ -53,12 +53,8 @@ def simulate(rate: float, target_ms: float | None, costs: list[tuple[int, float]
         if not len(sched):
             now = float(at[added])
             continue
-        started, cap = now, None
-        if pacer is not None and sched.has_prompts():
-            decoding = sched.decoding()
-            if decoding:
-                cap = pacer.prompt_cap(decoding, budget - len(decoding), started)
-        batch = sched.schedule(cap)
+        started = now
+        batch = sched.schedule() if pacer is None else pacer.schedule(sched, started)
         sampled = {c.seq.uid: 7 for c in batch.chunks if c.samples}
         step = float(np.interp(batch.num_tokens, xs, ys)) + per_sampled_s * len(sampled)
         now += step * (1 + noise * min(max(rng.standard_normal(), -1.0), 3.0))
@@ -70,9 +66,7 @@ def simulate(rate: float, target_ms: float | None, costs: list[tuple[int, float]
                 if pacer is not None:
                     pacer.forget(uid)
         if pacer is not None:
-            for seq in batch.preempted:
-                pacer.forget(seq.uid)
-            pacer.observe(batch.num_tokens, list(sampled), started, now)
+            pacer.stepped(batch, started, now)
     return [Result(p, o, start=times[i][0], chunk_times=times[i][1:], end=times[i][-1], prompt_tokens=p,
                    completion_tokens=o) for i, (p, o) in enumerate(reqs)]
 

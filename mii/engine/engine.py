@@ -191,20 +191,12 @@ class Engine:
             batch = self.scheduler.schedule()
         else:
             started = time.perf_counter()
-            cap, sched = None, self.scheduler
-            if sched.has_prompts():
-                decoding = sched.decoding()
-                if decoding:
-                    cap = pacer.prompt_cap(decoding, sched.max_batch_tokens - len(decoding), started)
-            batch = sched.schedule(cap)
+            batch = pacer.schedule(self.scheduler, started)
         if not batch:
             return []
         results = self._run(batch)
         if pacer is not None:
-            for seq in batch.preempted:  # it starts again as a new stream once recomputed
-                pacer.forget(seq.uid)
-            pacer.observe(batch.num_tokens, [c.seq.uid for c in batch.chunks if c.samples], started,
-                          time.perf_counter())
+            pacer.stepped(batch, started, time.perf_counter())
         return results
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:

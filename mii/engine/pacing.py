@@ -22,6 +22,10 @@ Pure Python, tested without a model.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mii.engine.scheduler import ScheduledBatch, Scheduler
 
 SPAN = 16
 """Tokens in the latency average: FastGen's SLA (its blog's benchmark) takes an EMA of span 16."""
@@ -119,12 +123,28 @@ class Pacer:
         self.ratio, self.ratio_sq = 1.0, 1.01  # moving means of a step's time / its prediction and of its square
         # (a spread of 0.1 until steps are seen: a share of 0.77)
 
+    def schedule(self, scheduler: Scheduler, now: float) -> ScheduledBatch:
+        """The scheduler's next step, its prompt tokens capped where it carries decode tokens and prompts wait."""
+        cap = None
+        if scheduler.has_prompts():
+            decoding = scheduler.decoding()
+            if decoding:
+                cap = self.prompt_cap(decoding, scheduler.max_batch_tokens - len(decoding), now)
+        return scheduler.schedule(cap)
+
+    def stepped(self, batch: ScheduledBatch, started: float, now: float) -> None:
+        """After `batch` ran from `started` to `now`: its time, its streams' gaps; a preempted sequence starts again as
+        a new stream once recomputed."""
+        for seq in batch.preempted:
+            self.forget(seq.uid)
+        self.observe(batch.num_tokens, [c.seq.uid for c in batch.chunks if c.samples], started, now)
+
     def prompt_cap(self, decoding: list, budget: int, now: float) -> int | None:
         """Prompt tokens (0..budget) the next step may carry beside the decode tokens of `decoding` (None: no cap)."""
         room, lost = None, 2 * self.target
         for seq in decoding:
             g = self.gaps.get(seq.uid)
-            if g is not None and g.sum <= lost * g.weight:  # a stream twice over the target is not held for
+            if g is not None and g.mean <= lost:  # a stream twice over the target is not held for
                 r = g.longest_gap(self.target) - (now - g.last)
                 room = r if room is None or r < room else room
         if room is None:
