@@ -4,7 +4,8 @@ failures included, go to OUT/gpu_check.json after each part, and a summary table
 
 Stages (so the check can run in two calls when the embedded model's 98 MB GGUF must travel in two halves):
   1  no SmolLM2 weights needed: machine probes, kernel/graph/family tests on cuda (fp32, bf16, fp16), and
-     benchmarks on a ~1B random Llama (batch-1 decode with and without CUDA graphs, 4,096-token prefill)
+     benchmarks on a ~1B random Llama (batch-1 decode with and without CUDA graphs, where its step's time goes, and
+     4,096-token prefill)
   2  SmolLM2-135M-Instruct (the real GGUF): pipeline tests on cuda, a served request through `openai`, W64 against
      `transformers` `generate` (static batches), batch-1 decode with/without graphs and prefill
 
@@ -204,6 +205,62 @@ def decode_b1(model, graphs: bool, prompt_len: int = 128, new_tokens: int = 256)
         pipe.destroy()
 
 
+def kernel_table(kernels, steps: int, step_us: float, top: int = 12) -> dict:
+    """(name, microseconds) of every GPU activity the profiler saw over `steps` decode steps (kernels, copies) and
+    the step's wall time measured without the profiler -> per step: the activities' count and time, the share of the
+    step the GPU computed (the rest it waited on the host: scheduling, the metadata's copies, sampling's sync, the
+    stream's detokenizing), and the `top` activities by time."""
+    by: dict = {}
+    for name, us in kernels:
+        n, t = by.get(name, (0, 0.0))
+        by[name] = (n + 1, t + us)
+    busy = sum(t for _, t in by.values()) / steps
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"steps": steps, "wall_us_per_step": round(step_us, 1),
+            "kernels_per_step": round(sum(n for n, _ in by.values()) / steps, 1),
+            "kernel_us_per_step": round(busy, 1), "gpu_busy": round(busy / step_us, 3),
+            "top": [{"kernel": k[:120], "per_step": round(n / steps, 2), "us_per_step": round(t / steps, 1)}
+                    for k, (n, t) in rows]}
+
+
+def decode_profile(model, prompt_len: int = 128, new_tokens: int = 64) -> dict:
+    """Where a batch-1 decode step's time goes, CUDA graphs on: the step's wall time (timed without the profiler),
+    then the GPU's kernels and copies over the same decode (the profiler's CUDA activity, which records the kernels
+    a graph replays): how much of the step the GPU computes, and which kernels take it (kernel_table)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    pipe = pipeline(model, cuda_graphs=True)
+    try:
+        prompt = np.random.default_rng(4).integers(1000, 40000, prompt_len).tolist()
+        pipe(prompt, max_new_tokens=16, ignore_eos=True, do_sample=False)  # warm-up (the prompt is cached after it)
+
+        def decode(prof=None) -> float:
+            first = None
+            for _chunk in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
+                if first is None:  # decode steps from here on
+                    torch.cuda.synchronize()
+                    if prof is not None:
+                        prof.start()
+                    first = time.perf_counter()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - first
+            if prof is not None:
+                prof.stop()
+            return wall
+
+        steps = new_tokens - 1
+        wall = min(decode() for _ in range(2))
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        decode(prof)
+        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        if not kernels:
+            raise RuntimeError("the profiler recorded no CUDA activity")
+        return {**kernel_table(kernels, steps, wall * 1e6 / steps), "cuda_graphs": pipe.engine.plan.cuda_graphs}
+    finally:
+        pipe.destroy()
+
+
 def prefill(model, prompt_len: int = 4096, n: int = 8, budget: int = 768) -> dict:
     """Prefill tokens/s: `n` prompts of `prompt_len` tokens, one output token each, token budget `budget`."""
     pipe = pipeline(model, state_manager={"max_ragged_batch_size": budget})
@@ -370,6 +427,10 @@ def summary() -> str:
             v = f"{r['decode_tok_per_s']} tok/s ({r['ms_per_token']} ms/token)"
             if "fraction_of_hbm_floor" in r:
                 v += f", {r['fraction_of_hbm_floor']:.0%} of the HBM floor ({r['hbm_floor_tok_per_s']} tok/s)"
+        elif "kernel_us_per_step" in r:
+            v = (f"{r['kernels_per_step']} kernels, {r['kernel_us_per_step']} us a step of {r['wall_us_per_step']} us "
+                 f"(GPU busy {r['gpu_busy']:.0%}); most: " + ", ".join(f"{k['kernel'][:24]} {k['us_per_step']}"
+                                                                     for k in r["top"][:3]))
         elif "prefill_tok_per_s" in r:
             v = f"{r['prefill_tok_per_s']:.0f} tok/s (budget {r['budget']})"
         elif "output_tok_per_s" in r:
@@ -423,6 +484,7 @@ def main():
             path = model["path"]
             part("1B decode b1 graphs", decode_b1, path, True, need=30)
             part("1B decode b1 eager", decode_b1, path, False, need=30)
+            part("1B decode b1 profile", decode_profile, path, need=30)
             part("1B prefill 4096 budget 768", prefill, path, need=25)
             part("1B prefill 4096 budget 8192", prefill, path, budget=8192, need=25)
         part("decode attention tiles", attention_tiles, need=20)
