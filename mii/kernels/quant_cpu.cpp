@@ -712,6 +712,13 @@ constexpr int64_t kVnniTiles = 4;  // 64 weight rows a task holds in L2 (K * 128
 inline void dot(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
 #ifdef MII_QBF16
 inline void dot(__m512& acc, __m512i w, __m512i x) { __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
+// the same with x's pair broadcast from memory by the instruction itself ({1to16}) where a broadcast into a register
+// and the product took two instructions: rows_tile, where each broadcast serves one product (the same bits; a layer's
+// four int4 linears at 5-8 rows 1.00-1.08x, alternated in one process, 9-16 rows even). The tiles' blocks, whose
+// broadcast serves two tiles, were even to 2% slower with it.
+inline void dot_at(__m512& acc, __m512i w, const int32_t* x) {
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+}
 #endif
 
 // x as the blocks read it: per row, K/2 pairs (chunk c, b) = columns 32c + b (low 16 bits) and 32c + b + 16; with
@@ -1477,7 +1484,7 @@ __attribute__((noinline)) void rows_tile(const XPairs& X, const Layout& L, const
       for (int b = 0; b < 16; ++b) {
         const __m512i wv = _mm512_load_si512(unpacked + b);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) dot(part[r], wv, _mm512_set1_epi32(X.q[r * (K / 2) + ch * 16 + b]));
+        for (int r = 0; r < R; ++r) dot_at(part[r], wv, &X.q[r * (K / 2) + ch * 16 + b]);
       }
     }
 #pragma GCC unroll 16
