@@ -177,21 +177,33 @@ def param_bytes(pipe) -> int:
     return total
 
 
-def decode_b1(model, graphs: bool, prompt_len: int = 128, new_tokens: int = 256) -> dict:
-    """Batch-1 greedy decode: tokens/s after the first token (a `prompt_len`-token prompt)."""
+def decode_seconds(pipe, prompt: list, new_tokens: int, prof=None) -> float:
+    """Seconds from the first streamed token to the last (the decode steps), `prof` (a torch profiler) running over
+    exactly those."""
+    first = None
+    torch.cuda.synchronize()
+    for _chunk in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
+        if first is None:
+            if prof is not None:
+                torch.cuda.synchronize()
+                prof.start()
+            first = time.perf_counter()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - first
+    if prof is not None:
+        prof.stop()
+    return seconds
+
+
+def decode_b1(model, graphs: bool, prompt_len: int = 128, new_tokens: int = 256, profile: bool = False) -> dict:
+    """Batch-1 greedy decode: tokens/s after the first token (a `prompt_len`-token prompt). With `profile`, then
+    where a step's time goes: the GPU's kernels and copies over one more such decode (the profiler's CUDA activity,
+    which records the kernels a graph replays) against the timed step (kernel_table)."""
     pipe = pipeline(model, cuda_graphs=graphs)
     try:
         prompt = np.random.default_rng(1).integers(1000, 40000, prompt_len).tolist()
         pipe(prompt, max_new_tokens=16, ignore_eos=True, do_sample=False)  # warm-up
-        best = 0.0
-        for _ in range(2):
-            first = None
-            torch.cuda.synchronize()
-            for _chunk in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
-                if first is None:
-                    first = time.perf_counter()
-            rate = (new_tokens - 1) / (time.perf_counter() - first)
-            best = max(best, rate)
+        best = max((new_tokens - 1) / decode_seconds(pipe, prompt, new_tokens) for _ in range(2))
         res = {"decode_tok_per_s": round(best, 1), "ms_per_token": round(1000 / best, 3),
                "cuda_graphs": pipe.engine.plan.cuda_graphs, "attention": pipe.engine.plan.attention,
                "param_bytes": param_bytes(pipe)}
@@ -200,6 +212,16 @@ def decode_b1(model, graphs: bool, prompt_len: int = 128, new_tokens: int = 256)
             floor = bw * 1e12 / res["param_bytes"]
             res["hbm_floor_tok_per_s"] = round(floor, 1)
             res["fraction_of_hbm_floor"] = round(best / floor, 3)
+        if profile:
+            from torch.autograd import DeviceType
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+
+            prof = profiler(activities=[ProfilerActivity.CUDA])
+            decode_seconds(pipe, prompt, new_tokens, prof)
+            acts = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+            res["profile"] = (kernel_table(acts, new_tokens - 1, 1e6 / best) if acts
+                              else {"error": "the profiler recorded no CUDA activity"})
         return res
     finally:
         pipe.destroy()
@@ -221,44 +243,6 @@ def kernel_table(kernels, steps: int, step_us: float, top: int = 12) -> dict:
             "kernel_us_per_step": round(busy, 1), "gpu_busy": round(busy / step_us, 3),
             "top": [{"kernel": k[:120], "per_step": round(n / steps, 2), "us_per_step": round(t / steps, 1)}
                     for k, (n, t) in rows]}
-
-
-def decode_profile(model, prompt_len: int = 128, new_tokens: int = 64) -> dict:
-    """Where a batch-1 decode step's time goes, CUDA graphs on: the step's wall time (timed without the profiler),
-    then the GPU's kernels and copies over the same decode (the profiler's CUDA activity, which records the kernels
-    a graph replays): how much of the step the GPU computes, and which kernels take it (kernel_table)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    pipe = pipeline(model, cuda_graphs=True)
-    try:
-        prompt = np.random.default_rng(4).integers(1000, 40000, prompt_len).tolist()
-        pipe(prompt, max_new_tokens=16, ignore_eos=True, do_sample=False)  # warm-up (the prompt is cached after it)
-
-        def decode(prof=None) -> float:
-            first = None
-            for _chunk in pipe.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, do_sample=False):
-                if first is None:  # decode steps from here on
-                    torch.cuda.synchronize()
-                    if prof is not None:
-                        prof.start()
-                    first = time.perf_counter()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - first
-            if prof is not None:
-                prof.stop()
-            return wall
-
-        steps = new_tokens - 1
-        wall = min(decode() for _ in range(2))
-        prof = profile(activities=[ProfilerActivity.CUDA])
-        decode(prof)
-        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
-        if not kernels:
-            raise RuntimeError("the profiler recorded no CUDA activity")
-        return {**kernel_table(kernels, steps, wall * 1e6 / steps), "cuda_graphs": pipe.engine.plan.cuda_graphs}
-    finally:
-        pipe.destroy()
 
 
 def prefill(model, prompt_len: int = 4096, n: int = 8, budget: int = 768) -> dict:
@@ -427,10 +411,11 @@ def summary() -> str:
             v = f"{r['decode_tok_per_s']} tok/s ({r['ms_per_token']} ms/token)"
             if "fraction_of_hbm_floor" in r:
                 v += f", {r['fraction_of_hbm_floor']:.0%} of the HBM floor ({r['hbm_floor_tok_per_s']} tok/s)"
-        elif "kernel_us_per_step" in r:
-            v = (f"{r['kernels_per_step']} kernels, {r['kernel_us_per_step']} us a step of {r['wall_us_per_step']} us "
-                 f"(GPU busy {r['gpu_busy']:.0%}); most: " + ", ".join(f"{k['kernel'][:24]} {k['us_per_step']}"
-                                                                     for k in r["top"][:3]))
+            if "kernel_us_per_step" in r.get("profile", {}):
+                k = r["profile"]
+                v += (f"; a step: {k['kernels_per_step']} kernels, {k['kernel_us_per_step']} us of them (GPU busy "
+                      f"{k['gpu_busy']:.0%}), most " + ", ".join(f"{t['kernel'][:24]} {t['us_per_step']}"
+                                                               for t in k["top"][:3]))
         elif "prefill_tok_per_s" in r:
             v = f"{r['prefill_tok_per_s']:.0f} tok/s (budget {r['budget']})"
         elif "output_tok_per_s" in r:
@@ -482,9 +467,8 @@ def main():
         model = part("random 1B model", lambda: {"path": str(random_llama_1b())}, need=60)
         if model["ok"]:
             path = model["path"]
-            part("1B decode b1 graphs", decode_b1, path, True, need=30)
+            part("1B decode b1 graphs", decode_b1, path, True, profile=True, need=30)
             part("1B decode b1 eager", decode_b1, path, False, need=30)
-            part("1B decode b1 profile", decode_profile, path, need=30)
             part("1B prefill 4096 budget 768", prefill, path, need=25)
             part("1B prefill 4096 budget 8192", prefill, path, budget=8192, need=25)
         part("decode attention tiles", attention_tiles, need=20)
