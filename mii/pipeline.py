@@ -35,7 +35,8 @@ class MIIPipeline:
     Calls may interleave (two `stream` generators consumed in turns) and may come from several threads at once:
     whichever call steps the engine puts each other call's outputs in that call's mailbox, so none is lost, and the
     calls' sequences share the engine's steps (batched together, as a server's requests are). The engine is
-    touched under one lock: admitting a call's requests, a step, aborting what a call left."""
+    touched under one lock: admitting a call's requests, a step, aborting what a call left; a thread about to step
+    first lets the calls arriving from other threads admit theirs, so that they join that step."""
 
     def __init__(self, model_config: ModelConfig, all_rank_output: bool = False):
         self.model_config = model_config
@@ -55,6 +56,12 @@ class MIIPipeline:
         # from several threads would otherwise step it at once, or a step could finish a sequence before its call
         # owned it (its outputs lost, the call waiting forever)
         self._lock = threading.RLock()
+        # calls of other threads about to admit their requests: a thread about to step waits for them, so that their
+        # sequences join this step. (Python's locks are not fair: the stepping thread took the lock straight back
+        # after each step, and a call from another thread could wait for the whole of the first call.)
+        self._arriving = 0
+        self._arriving_count = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         if self.tp_group is not None:  # a pipeline dropped without destroy() still stops its ranks
             weakref.finalize(self, self.tp_group.close)
 
@@ -107,12 +114,19 @@ class MIIPipeline:
         engine = self._engine()
         requests, single = self._inputs.process(prompts, kwargs)
         outputs = OutputProcessor(requests)
+        with self._arriving_count:
+            self._arriving += 1
         with self._lock:
-            uids = engine.add_requests(requests)
-            outputs.bind(uids)
-            call = next(self._calls)
-            self._mailboxes[call] = collections.deque()
-            self._owner.update((uid, call) for uid in uids)
+            try:
+                uids = engine.add_requests(requests)
+                outputs.bind(uids)
+                call = next(self._calls)
+                self._mailboxes[call] = collections.deque()
+                self._owner.update((uid, call) for uid in uids)
+            finally:
+                with self._arriving_count:
+                    self._arriving -= 1
+                self._arrived.notify_all()
         return call, outputs, single
 
     def _steps(self, call: int, outputs: OutputProcessor) -> Iterator[list[RequestOutput]]:
@@ -129,6 +143,8 @@ class MIIPipeline:
                     yield group
                 else:
                     with self._lock:
+                        while self._arriving and not box:  # (the lock is let go while waiting: they admit theirs)
+                            self._arrived.wait(0.05)
                         if not box:  # (another thread's step, while this one waited, may have filled it)
                             self._step()
         finally:
