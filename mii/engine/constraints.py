@@ -17,7 +17,8 @@ requests itself (e.g. tool calling) passes the same keys in the generation keywo
 
 The pieces, in request order:
 - `GrammarCompiler.compile(constraint)` at admission (`InputProcessor`, the tokenizer thread): compiled once per
-  (tokenizer, constraint) and cached; a bad schema, regex or grammar is a `ValidationError` naming its field.
+  (tokenizer, constraint) and cached; a bad schema, regex or grammar, or one that no text matches, is a
+  `ValidationError` naming its field.
 - `CompiledGrammar.matcher()` when the engine admits a sequence: its own `Matcher` (a copy of the compiled one).
 - every step, `fill_bitmask` for the rows that have a matcher (one bit per vocabulary id, batched across rows on
   llguidance's threads); the sampler sets the other logits of those rows to -inf. Rows without one cost nothing.
@@ -215,6 +216,10 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise ValidationError(field, _short(matcher.get_error()))
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()  # (what may come first: nothing but the end, where no text matches)
+        if probe.is_stopped() and not probe.is_accepting():
+            raise ValidationError(field, "no output can match it (its language is empty)")
         return CompiledGrammar(c, matcher)
 
 

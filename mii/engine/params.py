@@ -229,6 +229,9 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
         if isinstance(key, str):
             if not key.isascii() or not key.isdigit():
                 raise ValidationError("logit_bias", f"keys are token ids, got {key!r:.60}")
+            if len(key.lstrip("0")) > 18:  # (no vocabulary is that large; int() refuses 4,300+ digits)
+                raise ValidationError("logit_bias", f"token id {key:.20}... ({len(key)} digits) is outside the "
+                                      "vocabulary")
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValidationError("logit_bias", f"keys are token ids (integers >= 0), got {key!r:.60}")

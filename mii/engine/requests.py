@@ -171,7 +171,8 @@ class InputProcessor:
             vocab = self.limits.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ValidationError("prompt", f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+                raise ValidationError("prompts" if single else f"prompts[{i}]",
+                                      f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
             for name, tokens in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
                 bad = next((t for t in tokens if not 0 <= t < vocab), None)
                 if bad is not None:

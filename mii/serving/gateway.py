@@ -80,6 +80,14 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
         body = parse_body(schemas.TokenizeRequest, await read_json(request))
         require_ready(model)
         check_model(model, body.model)
+        if body.messages is not None and body.prompt is not None:
+            raise APIError(400, "prompt: give either prompt or messages, not both", param="prompt")
+        if body.messages is None:  # the chat-only fields would be ignored
+            extra = next((f for f in ("tools", "chat_template_kwargs") if getattr(body, f) is not None), None)
+            if extra:
+                raise APIError(400, f"{extra}: only with messages", param=extra)
+        if body.tools and not chat_tools.renders_tools(getattr(model.tokenizer, "chat_template", None)):
+            raise APIError(400, "tools: this model's chat template does not render tools", param="tools")
         if body.messages is not None:
             text = chat_tools.render(model, body.messages, body.add_generation_prompt, body.tools,
                                      body.chat_template_kwargs, body.continue_final_message)

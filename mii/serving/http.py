@@ -14,9 +14,10 @@ from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from mii import errors
 from mii.serving.auth import key_matches
@@ -77,7 +78,9 @@ def _error_for(e: Exception, renames: dict) -> APIError:
     if isinstance(e, errors.PromptTooLongError):
         return APIError(400, str(e)[len(e.field) + 2:], param="prompt", code="context_length_exceeded")
     if isinstance(e, errors.ValidationError):
-        name, message = renames.get(e.field, e.field), str(e)[len(e.field) + 2:]
+        base, index = re.match(r"([^\[]*)(.*)", e.field).groups()  # (`prompts[1]` → `prompt[1]`)
+        name = renames.get(e.field, renames.get(base, base) + index)
+        message = str(e)[len(e.field) + 2:]
         for engine_name, api_name in renames.items():  # other parameters the message names, by the API's names too
             if "_" in engine_name:  # (identifiers such as max_new_tokens, not words such as "prompts")
                 message = re.sub(rf"\b{engine_name}\b", api_name, message)
@@ -140,6 +143,10 @@ def install_error_handlers(app: FastAPI, count: Optional[Callable[[str], None]] 
                                    type=_STATUS_TYPES.get(e.status_code, "invalid_request_error")))
         response.headers.update(e.headers or {})
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request, e: ClientDisconnect):  # the client left before its body was read: no one to answer
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
@@ -279,17 +286,22 @@ def parse_body(cls: type[BaseModel], body: dict):
 
 def field_name(loc) -> str:
     """A pydantic error location as the API names the field: `messages[0].content` (union members' tags, such as
-    `str` or `list[int]`, left out)."""
-    name = ""
+    `str` or `list[int]`, and a tagged union's tag, such as response_format's `json_schema`, left out)."""
+    name, last = "", None
     for part in loc:
         if isinstance(part, int):
             name += f"[{part}]"
+        elif part in _UNION_TAGS.get(last, ()):
+            last = None  # (the member's own field of the same name, `json_schema.json_schema`, is kept)
+            continue
         elif part.isidentifier() and part not in _TYPE_TAGS:
             name += f".{part}" if name else part
+        last = part
     return name or "body"
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "body"}
+_UNION_TAGS = {"response_format": {"text", "json_object", "json_schema"}}  # field → its members' `type` tags
 
 
 def check_token_ids(model: ServedModel, prompt, field: str) -> None:
@@ -318,10 +330,16 @@ def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}]: must be an object with a role", param=f"messages[{i}]")
+        if not m["role"].strip():  # (other roles than OpenAI's go to the template, as vLLM passes them)
+            raise APIError(400, f"messages[{i}].role: must not be empty", param=f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                if isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str):
+                    got = type(p.get("text")).__name__ if "text" in p else "nothing"
+                    raise APIError(400, f"messages[{i}].content[{j}].text: must be a string (got {got})",
+                                   param=f"messages[{i}].content[{j}].text")
+                if not isinstance(p, dict) or p.get("type") != "text":
                     kind = p.get("type") if isinstance(p, dict) else type(p).__name__
                     raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r:.40})",
                                    param=f"messages[{i}].content")

@@ -169,6 +169,8 @@ class OpenAICall:
         kwargs = structured.merge(req.engine_kwargs(model.max_context), extra_kwargs or {})
         # engine fields → the ones this request used (extra_kwargs: the constraint of the request's tools)
         self.renames = {**_RENAMES, **req.constraint()[1], **{k: "tools" for k in extra_kwargs or {}}}
+        field = "messages" if chat else "prompt"  # (the engine's prompts, as this request gave them)
+        self.renames.update({"prompts": field, **({"prompts[0]": field} if len(prompts) == 1 else {})})
         if isinstance(req, ChatRequest):
             lp = (req.top_logprobs or 0) if req.logprobs else None
         else:

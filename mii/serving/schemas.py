@@ -7,13 +7,57 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 FinishReasonName = Literal["stop", "length", "none"]
 TokenId = Annotated[int, Field(ge=0)]
 Text = Annotated[str, Field(min_length=1)]
-Prompts = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
-                Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+
+
+def _kind(x) -> str:
+    if isinstance(x, str):
+        return "text"
+    if isinstance(x, int) and not isinstance(x, bool):
+        return "a token id"
+    return "a token-id list" if isinstance(x, list) else type(x).__name__
+
+
+def _prompt_shape(value):
+    """A message that says what is wrong with a list of prompts that none of the forms takes (pydantic names only
+    its first form's error: "should be a valid string")."""
+    def refuse(message: str, **ctx):
+        raise PydanticCustomError("prompt_shape", message, ctx)
+
+    if not isinstance(value, (list, str)):
+        refuse("must be text, token ids or a list of them, got {k}", k=type(value).__name__)
+    if not isinstance(value, list):
+        return value
+    if not value:
+        refuse("the list of prompts is empty")
+    kinds = [_kind(x) for x in value]
+    bad = next((i for i, k in enumerate(kinds) if k not in ("text", "a token id", "a token-id list")), None)
+    if bad is not None:
+        refuse("item {i} is {k}: each item is text, a token id or a token-id list", i=bad, k=kinds[bad])
+    if len(set(kinds)) > 1:
+        refuse("a list of prompts is all text or all token-id lists (a flat list of token ids is one prompt), not "
+               "{a} and {b}", a=kinds[0], b=next(k for k in kinds if k != kinds[0]))
+    for i, x in enumerate(value):
+        ids = x if isinstance(x, list) else [x] if kinds[0] == "a token id" else []
+        if isinstance(x, (str, list)) and not x:
+            refuse("item {i} is empty", i=i)
+        k = next((_kind(t) for t in ids if _kind(t) != "a token id"), None)
+        if k is not None:
+            refuse("item {i}: a token-id list holds integers, not {k}", i=i, k=k)
+        neg = next((t for t in ids if t < 0), None)
+        if neg is not None:
+            refuse("token ids are >= 0, got {t}", t=neg)
+    return value
+
+
+Prompts = Annotated[Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+                          Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]],
+                    BeforeValidator(_prompt_shape)]
 """One prompt (text or token ids) or a list of them; none empty."""
 
 

@@ -72,7 +72,10 @@ def test_bad_constraints_name_their_field(pipe):
              ({"json_schema": [1, 2]}, "json_schema"), ({"regex": "a(b"}, "regex"),
              ({"grammar": "root ::= missing"}, "grammar"), ({"grammar": "start: foo"}, "grammar"),
              ({"choice": []}, "choice"), ({"choice": ["a", 3]}, "choice"), ({"regex": "a", "choice": ["a"]}, "choice"),
-             ({"json_object": "yes"}, "json_object"), ({"regex": "x" * (256 * 1024 + 1)}, "regex")]
+             ({"json_object": "yes"}, "json_object"), ({"regex": "x" * (256 * 1024 + 1)}, "regex"),
+             # constraints that no output matches (an empty answer "stop"ped at once before)
+             ({"regex": r"[^\x00-\x{10FFFF}]"}, "regex"), ({"grammar": "root ::= a\na ::= a"}, "grammar"),
+             ({"json_schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, "json_schema")]
     for kwargs, field in cases:
         with pytest.raises(ValidationError) as e:
             pipe("x", max_new_tokens=4, **kwargs)

@@ -165,6 +165,58 @@ def test_bad_bodies_get_400_in_openai_shape(base_url, deployment):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_refusals_name_the_field_and_what_is_wrong(base_url, deployment):
+    """Inputs a robustness sweep found answered with a 500 or a vague or misplaced message."""
+    url, chat = f"{base_url}/v1/completions", f"{base_url}/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+    huge = "1" * 5000  # int() refuses 4,300+ digits: an internal error before
+    assert "outside the vocabulary" in _error(httpx.post(url, json={"prompt": "x", "logit_bias": {huge: 1}},
+                                                         timeout=30), 400, "logit_bias")["message"]
+    mii_url = f"{base_url}/mii/{deployment.deployment_name}"
+    _error(httpx.post(mii_url, json={"prompts": "x", "logit_bias": {huge: 1}}, timeout=30), 400, "logit_bias")
+    # a tagged union's tag is not a field: response_format.json_schema, not response_format.json_schema.json_schema
+    _error(httpx.post(url, json={"prompt": "x", "response_format": {"type": "json_schema"}}, timeout=10), 400,
+           "response_format.json_schema")
+    _error(httpx.post(url, json={"prompt": "x", "response_format": {"type": "json_object", "foo": 1}},
+                      timeout=10), 400, "response_format.foo")
+    for prompt, words in ((["a", [1]], "not text and a token-id list"), ([[[1]]], "holds integers"),
+                          ([1.5], "item 0 is float"), ([True], "item 0 is bool"), ([[1], []], "item 1 is empty"),
+                          ([-1], ">= 0, got -1")):
+        assert words in _error(httpx.post(url, json={"prompt": prompt}, timeout=10), 400, "prompt")["message"]
+    # the engine's own checks name the field as the route calls it
+    _error(httpx.post(url, json={"prompt": [2 ** 63]}, timeout=10), 400, "prompt")
+    _error(httpx.post(url, json={"prompt": [[1], [2 ** 63]]}, timeout=10), 400, "prompt[1]")
+    _error(httpx.post(mii_url, json={"prompts": [10 ** 6]}, timeout=30), 400, "prompts[0]")
+    bad_part = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
+    assert "must be a string (got int)" in _error(httpx.post(chat, json={"messages": bad_part}, timeout=10), 400,
+                                                  "messages[0].content[0].text")["message"]
+    _error(httpx.post(chat, json={"messages": [{"role": "", "content": "hi"}]}, timeout=10), 400, "messages[0].role")
+    # /tokenize refuses what chat refuses, and fields it would ignore
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tok = f"{base_url}/tokenize"
+    assert "does not render tools" in _error(httpx.post(tok, json={"messages": hi, "tools": [tool]}, timeout=10),
+                                             400, "tools")["message"]
+    _error(httpx.post(tok, json={"prompt": "x", "messages": hi}, timeout=10), 400, "prompt")
+    _error(httpx.post(tok, json={"prompt": "x", "tools": [tool]}, timeout=10), 400, "tools")
+
+
+def test_a_client_gone_before_its_body_is_no_error(base_url):
+    """A client that closes the connection while sending its body is not an internal error (nor counted as one)."""
+    import socket
+    from urllib.parse import urlparse
+
+    def internal() -> float:
+        return metric(httpx.get(f"{base_url}/metrics", timeout=30).text, "mii_request_errors_total", kind="internal")
+
+    before, u = internal(), urlparse(base_url)
+    for _ in range(3):
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prom")
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200 and internal() == before
+
+
 def test_every_refused_request_is_counted_once(base_url, deployment):
     """mii_request_errors_total{kind="invalid"} counts each 400/413 once, whether the gateway refused the request
     (its body, a field the API does not take, one over the size limit) or a replica did (its arguments, checked once
