@@ -149,6 +149,8 @@ GeneratorReplyStream); they are not generation parameters, and are dropped here.
 
 def read_request(request) -> tuple[list, dict]:
     """(prompts, generation keyword arguments) of a `MultiStringRequest`, as `InputProcessor.process` takes them."""
+    if request.prompts and request.request:
+        raise errors.ValidationError("prompts", "give text prompts in `request` or prompts in `prompts`, not both")
     if request.prompts:
         prompts = [p.text if p.WhichOneof("kind") == "text" else list(p.token_ids.ids) for p in request.prompts]
     else:

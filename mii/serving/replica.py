@@ -240,8 +240,8 @@ class ReplicaServicer(pb2_grpc.ModelResponseServicer):
     async def _generate(self, request, context, sink: _Sink):
         """Per delivery of news (every engine step with news; for a holding sink, each finished sequence): (the
         call's `OutputProcessor`, the news, seconds since the call began)."""
-        prompts, kwargs = read_request(request)
         try:
+            prompts, kwargs = read_request(request)
             requests, _ = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize, self.inputs.process, prompts, kwargs, not request.chat)
         except Exception as e:

@@ -63,6 +63,10 @@ def test_invalid_argument_names_the_field(channel):
     with pytest.raises(grpc.RpcError) as e:
         stub.GeneratorReply(pb2.MultiStringRequest(request=["x"], query_kwargs=_kwargs(top_p=5.0)), timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
+    both = pb2.MultiStringRequest(request=["x"], prompts=[pb2.Prompt(text="y")], query_kwargs=_kwargs(max_new_tokens=2))
+    with pytest.raises(grpc.RpcError) as e:  # (the text of one of them would be dropped)
+        stub.GeneratorReply(both, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
 
 
 def test_cancelled_stream_frees_kv_blocks(channel, deployment):
