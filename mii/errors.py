@@ -79,6 +79,10 @@ class RequestTimeoutError(MIIError, TimeoutError):
     was aborted (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
 
 
+class PipelineDestroyedError(MIIError, RuntimeError):
+    """A pipeline used after its `destroy()`: its model and KV cache are gone."""
+
+
 class TensorParallelError(MIIError, RuntimeError):
     """A tensor-parallel rank failed (died, or could not join its group); the group is down."""
 

@@ -20,7 +20,8 @@ from mii.engine.engine import Engine, RequestOutput
 from mii.engine.factory import build_engine
 from mii.engine.outputs import OutputProcessor
 from mii.envs import torchrun_env
-from mii.errors import UnknownArgument, ValidationError
+from mii.engine.requests import check_text
+from mii.errors import PipelineDestroyedError, UnknownArgument, ValidationError
 from mii.parallel.placement import gpu_count, pipeline_device
 from mii.response import Response
 
@@ -76,11 +77,12 @@ class MIIPipeline:
 
     def _engine(self) -> Engine:
         if self._destroyed:
-            raise RuntimeError("this pipeline was destroyed; create a new one with mii.pipeline(...)")
+            raise PipelineDestroyedError("this pipeline was destroyed; create a new one with mii.pipeline(...)")
         return self.engine
 
     def destroy(self) -> None:
-        """Free the model and KV cache (and stop the other tensor-parallel ranks); later calls raise RuntimeError."""
+        """Free the model and KV cache (and stop the other tensor-parallel ranks); later calls raise
+        `PipelineDestroyedError` (a RuntimeError)."""
         self.engine = self._follower_runner = self._inputs = None
         self._mailboxes.clear()
         self._owner.clear()
@@ -105,9 +107,26 @@ class MIIPipeline:
     # --- prompts -------------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Chat messages ({role, content} dicts) as the model's chat template writes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("messages", "this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if not isinstance(messages, list) or not messages:
+            raise ValidationError("messages", f"a non-empty list of {{role, content}} dicts is required, got "
+                                              f"{messages!r:.60}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"].strip():
+                raise ValidationError(f"messages[{i}]", f"must be a dict with a role (a non-empty string), got {m!r:.60}")
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise ValidationError(f"messages[{i}].content", f"must be a string, got {type(content).__name__}")
+            if isinstance(content, str):
+                check_text(f"messages[{i}].content", content)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # the template's own errors on these messages (jinja2's, a missing key, a type)
+            raise ValidationError("messages", f"the chat template cannot render them: {type(e).__name__}: "
+                                              f"{str(e)[:200]}") from None
 
     def _submit(self, prompts, kwargs) -> tuple[int, OutputProcessor, bool]:
         """Validate and admit one call's requests (all or none): (call id, its output processor, single prompt)."""

@@ -87,12 +87,16 @@ def normalize_json_schema(value) -> Optional[str]:
             value = json.loads(value)
         except ValueError as e:
             raise ValidationError("json_schema", f"is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValidationError("json_schema", "is nested too deeply") from None
     if not isinstance(value, (dict, bool)):
         raise ValidationError("json_schema", f"must be a JSON schema (an object), got {type(value).__name__}")
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)  # key order kept: properties come in it
     except (TypeError, ValueError) as e:
         raise ValidationError("json_schema", f"cannot be written as JSON: {e}") from None
+    except RecursionError:
+        raise ValidationError("json_schema", "is nested too deeply") from None
 
 
 def check_fields(params, max_chars: int) -> None:

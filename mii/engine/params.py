@@ -218,7 +218,11 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     if bias is None:
         return ()
     if isinstance(bias, tuple):  # the stored form
-        bias = dict(bias)
+        try:
+            bias = dict(bias)
+        except (TypeError, ValueError):
+            raise ValidationError("logit_bias", f"must be an object mapping token ids to biases (per prompt: a list "
+                                                f"of them), got {bias!r:.60}") from None
     if not isinstance(bias, dict):
         raise ValidationError("logit_bias", f"must be an object mapping token ids to biases, got {bias!r:.60}")
     if len(bias) > BOUNDS.max_logit_bias:

@@ -18,6 +18,10 @@ from mii.errors import KVCacheError, PromptTooLongError, UnknownArgument, Valida
     (dict(stop=["ok", 3]), ValidationError, "stop"),
     (dict(top_k="ten"), ValidationError, "top_k"),
     (dict(max_new_tokens=[1, 2, 3]), ValidationError, "3 values for 1 prompts"),
+    # found by a sweep of the pipeline's inputs: these escaped as TypeError / RecursionError
+    (dict(logit_bias=((1, 2.0),)), ValidationError, "logit_bias"),
+    (dict(logit_bias=[(1, 2.0)]), ValidationError, "logit_bias"),
+    (dict(json_schema="[" * 100_000 + "]" * 100_000), ValidationError, "json_schema: is nested too deeply"),
 ])
 def test_bad_generation_arguments(default_pipe, kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -37,6 +41,19 @@ def test_bad_prompts(default_pipe, prompts, words):
     with pytest.raises(ValidationError, match=words):
         default_pipe(prompts, max_new_tokens=2)
     assert default_pipe("Hello", max_new_tokens=2, do_sample=False)[0].generated_length == 2
+
+
+def test_bad_chat_messages(default_pipe):
+    """apply_chat_template refuses what its template cannot render, naming the message, with a typed error."""
+    cases = [("hi", "messages"), (None, "messages"), ([], "messages"), ([{"role": 5, "content": "x"}], "messages[0]"),
+             ([{"role": "user", "content": 5}], "messages[0].content"),
+             ([{"role": "user", "content": "a\ud800"}], "messages[0].content"),
+             ([{"role": "user"}], "messages")]  # (SmolLM2's template reads every message's content)
+    for messages, field in cases:
+        with pytest.raises(ValidationError) as e:
+            default_pipe.apply_chat_template(messages)
+        assert e.value.field == field, (messages, e.value)
+    assert "<|im_start|>user\nhi" in default_pipe.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_prompt_longer_than_context(default_pipe):

@@ -208,7 +208,7 @@ def test_mii_compatibility_forms(default_model_path):
         assert isinstance(out, list) and len(out) == 1 and out[0].generated_length == 4
     finally:
         pipe.destroy()
-    with pytest.raises(RuntimeError, match="destroyed"):
+    with pytest.raises(mii.errors.PipelineDestroyedError, match="destroyed"):  # (a RuntimeError too)
         pipe("again")
 
 
