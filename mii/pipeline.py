@@ -20,7 +20,7 @@ from mii.engine.engine import Engine, RequestOutput
 from mii.engine.factory import build_engine
 from mii.engine.outputs import OutputProcessor
 from mii.envs import torchrun_env
-from mii.engine.requests import check_text
+from mii.engine.requests import chat_messages
 from mii.errors import PipelineDestroyedError, UnknownArgument, ValidationError
 from mii.parallel.placement import gpu_count, pipeline_device
 from mii.response import Response
@@ -110,19 +110,9 @@ class MIIPipeline:
         """Chat messages ({role, content} dicts) as the model's chat template writes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("messages", "this model has no chat template")
-        if not isinstance(messages, list) or not messages:
-            raise ValidationError("messages", f"a non-empty list of {{role, content}} dicts is required, got "
-                                              f"{messages!r:.60}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"].strip():
-                raise ValidationError(f"messages[{i}]", f"must be a dict with a role (a non-empty string), got {m!r:.60}")
-            content = m.get("content")
-            if content is not None and not isinstance(content, (str, list)):
-                raise ValidationError(f"messages[{i}].content", f"must be a string, got {type(content).__name__}")
-            if isinstance(content, str):
-                check_text(f"messages[{i}].content", content)
+        flat = chat_messages(messages)
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return self.tokenizer.apply_chat_template(flat, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the template's own errors on these messages (jinja2's, a missing key, a type)
             raise ValidationError("messages", f"the chat template cannot render them: {type(e).__name__}: "

@@ -33,6 +33,39 @@ def encode_prompt(tokenizer, prompt: Prompt, add_special_tokens: bool = True) ->
     return list(prompt)
 
 
+def chat_messages(messages) -> list[dict]:
+    """Chat messages as a chat template takes them: {role, content} dicts whose content is a string, None or text
+    parts (joined into one string; "" for None). A `ValidationError` naming the message for anything else, and for
+    a chat with nothing to say (no message, or every content empty or whitespace). The pipeline's
+    `apply_chat_template` and the chat routes check them here."""
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("messages", "a non-empty list of {role, content} objects is required")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValidationError(f"messages[{i}]", "must be an object with a role")
+        if not m["role"].strip():  # (other roles than OpenAI's go to the template, as vLLM passes them)
+            raise ValidationError(f"messages[{i}].role", "must not be empty")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            for j, p in enumerate(content):
+                if isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str):
+                    got = type(p.get("text")).__name__ if "text" in p else "nothing"
+                    raise ValidationError(f"messages[{i}].content[{j}].text", f"must be a string (got {got})")
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise ValidationError(f"messages[{i}].content",
+                                          f"only text parts are supported (content[{j}] is {kind!r:.40})")
+            content = "".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise ValidationError(f"messages[{i}].content", "must be a string or a list of text parts")
+        check_text(f"messages[{i}].content", content or "")
+        flat.append({**m, "content": content or ""})
+    if not any(m["content"].strip() for m in flat):
+        raise ValidationError("messages", "every message is empty (nothing to answer)")
+    return flat
+
+
 def check_text(field: str, text: str) -> None:
     """Text must be valid Unicode: JSON may carry a lone surrogate (an escaped \\ud800) that no tokenizer
     encodes and no wire format carries."""

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from mii import errors
+from mii.engine.requests import chat_messages
 from mii.serving.auth import key_matches
 
 log = logging.getLogger("mii")
@@ -324,32 +325,10 @@ def render_chat(model: ServedModel, messages, add_generation_prompt: bool = True
     tok = model.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages: a non-empty list of {role, content} objects is required", param="messages")
-    flat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}]: must be an object with a role", param=f"messages[{i}]")
-        if not m["role"].strip():  # (other roles than OpenAI's go to the template, as vLLM passes them)
-            raise APIError(400, f"messages[{i}].role: must not be empty", param=f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            for j, p in enumerate(content):
-                if isinstance(p, dict) and p.get("type") == "text" and not isinstance(p.get("text"), str):
-                    got = type(p.get("text")).__name__ if "text" in p else "nothing"
-                    raise APIError(400, f"messages[{i}].content[{j}].text: must be a string (got {got})",
-                                   param=f"messages[{i}].content[{j}].text")
-                if not isinstance(p, dict) or p.get("type") != "text":
-                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported (got {kind!r:.40})",
-                                   param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content: must be a string or a list of text parts",
-                           param=f"messages[{i}].content")
-        flat.append({**m, "content": content or ""})
-    if not any(m["content"].strip() for m in flat):
-        raise APIError(400, "messages: every message is empty (nothing to answer)", param="messages")
+    try:
+        flat = chat_messages(messages)
+    except errors.ValidationError as e:
+        raise APIError(400, str(e), param=e.field) from None
     if continue_final and add_generation_prompt:
         raise APIError(400, "continue_final_message: continues the final message, so add_generation_prompt (a new "
                        "assistant turn, true by default) must be false", param="continue_final_message")
