@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-class FinishReason(enum.StrEnum):
-    """Why a sequence ended; a `str`, so it compares equal to (and serializes as) MII's strings."""
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended; a `str`, so it compares equal to (and serializes as) MII's strings. (Python 3.10 has
+    no `enum.StrEnum`: `__str__` and `__format__` give the value, as StrEnum's do.)"""
 
     STOP = "stop"
     """EOS, a stop token id or a stop string."""
@@ -16,6 +17,11 @@ class FinishReason(enum.StrEnum):
     """max_new_tokens, max_length, or the end of the context / KV cache."""
     NONE = "none"
     """Not finished: an intermediate stream chunk."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 @dataclass

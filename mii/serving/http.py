@@ -277,9 +277,10 @@ def parse_body(cls: type[BaseModel], body: dict):
     try:
         return cls.model_validate(body, strict=True)
     except ValidationError as e:
-        # a union reports one error per member: the one past a type mismatch says what is wrong
+        # a union reports one error per member: the one past a type mismatch says what is wrong, else the deepest
+        # (the member whose outer shape fits: `stop[2]` for ["a", "b", 5], not `stop`)
         errs = e.errors()
-        err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
+        err = next((x for x in errs if not x["type"].endswith("_type")), max(errs, key=lambda x: len(x["loc"])))
         name = field_name(err.get("loc", ()))
         got = f" (got {err['input']!r:.80})" if err.get("type") != "missing" else ""
         raise APIError(400, f"{name}: {err.get('msg')}{got}", param=name) from None

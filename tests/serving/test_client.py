@@ -100,6 +100,9 @@ def test_mii_config_forms():
     cfg = build_mii_config("path/to/llama", model_config={"max_length": 64}, tensor_parallel=1, replica_num=3)
     assert cfg.deployment_name == "llama-mii-deployment" and cfg.model_config_.max_length == 64
     assert cfg.model_config_.replica_num == 3
+    # the embedded model has one name whether it is given or not, so mii.client(mii.default_model()) finds `mii serve`'s
+    assert build_mii_config(mii.default_model()).deployment_name == "SmolLM2-135M-Instruct-mii-deployment"
+    assert build_mii_config("").deployment_name == "SmolLM2-135M-Instruct-mii-deployment"
     with pytest.raises(UnknownArgument, match="bogus"):
         build_mii_config("m", bogus=1)
     with pytest.raises(ValidationError, match="deployment_name"):

@@ -191,6 +191,9 @@ def test_refusals_name_the_field_and_what_is_wrong(base_url, deployment):
     assert "must be a string (got int)" in _error(httpx.post(chat, json={"messages": bad_part}, timeout=10), 400,
                                                   "messages[0].content[0].text")["message"]
     _error(httpx.post(chat, json={"messages": [{"role": "", "content": "hi"}]}, timeout=10), 400, "messages[0].role")
+    # a union names the member whose outer shape fits: the list's item, not the whole field
+    _error(httpx.post(url, json={"prompt": "x", "stop": ["a", "b", 5]}, timeout=10), 400, "stop[2]")
+    _error(httpx.post(url, json={"prompt": "x", "stop": 5}, timeout=10), 400, "stop")
     # /tokenize refuses what chat refuses, and fields it would ignore
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     tok = f"{base_url}/tokenize"
