@@ -77,6 +77,7 @@ _lib.define("stack_few_rows(Tensor stack) -> int")
 _lib.define("stack_threads(Tensor stack, int configured) -> int")
 _lib.define("stack_pace(Tensor stack) -> int[]")
 _lib.define("pace_trace(Tensor times, Tensor losses) -> Tensor")
+_lib.define("tile_block_rows() -> int")
 
 
 @torch.library.register_fake("mii::paged_attention")

@@ -133,6 +133,21 @@ inline void by_fours_and_threes(int64_t M, F&& f) {
   for (; m < M; m += 3) f(m, 3);
 }
 
+// f(m0, R) over M rows of x in blocks of R = Most rows, and of Most - 1 where M is not a multiple of Most (fewer
+// rows than that takes: blocks of Most - 1 and below). Each row's sums are the same whatever its block.
+template <int Most, class F>
+inline void by_blocks(int64_t M, F&& f) {
+  if constexpr (Most <= 4) {
+    by_fours_and_threes(M, f);
+  } else {
+    const int64_t shorter = (Most - M % Most) % Most;
+    if (M < (Most - 1) * shorter) return by_blocks<Most - 1>(M, f);
+    int64_t m = 0;
+    for (; m + (Most - 1) * shorter < M; m += Most) f(m, Most);
+    for (; m < M; m += Most - 1) f(m, Most - 1);
+  }
+}
+
 // units of work per task, `most` or half of it, whichever ends sooner when `threads` threads take the tasks in
 // turn (the fewest units on the busiest thread; ties to the bigger task)
 inline int64_t balanced_share(int64_t units, int64_t threads, int64_t most) {

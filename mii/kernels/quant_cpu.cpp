@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1051,14 +1052,63 @@ struct Ahead {
 };
 
 #ifdef MII_QBF16
-// bf16 x: rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1 (MR <= 4, NT <= 2), the group's sums and the running
-// sums both in registers (2 x 8 accumulators): each group's sums times the weight scale, plus offset x sum(x), with
-// no round trip through L1. Where the running sums of 4 x 4 blocks lived in L1 (16 accumulators and 16 sums do
+// --- how many rows of x bf16_block takes at a time ------------------------------------------------------------------
+// A block's sums are rows x 2 tiles chains of dependent `vdpbf16ps`, each ~6 cycles long. Zen 4 runs one 512-bit dot
+// product a cycle, which 8 chains (4 rows, their running sums in registers beside them) keep busy. Zen 5 runs two:
+// 8 chains reach 2/3 of its rate (one core, registers only: 4.8 against 7.1 G dot products a second with 12), so
+// there blocks of 6 rows (12 chains; their running sums in L1 between groups, as 24 of them do not fit beside the
+// chains in 32 registers). Chosen once per process by timing 8 and 12 chains (< 2 ms); MII_TILE_ROWS=4|6 overrides
+// (read per call, as MII_AMX is). A row's arithmetic is the same in either block.
+template <int C>
+__attribute__((noinline)) double dot_chains_ns(int64_t iters) {
+  __m512 acc[C];
+  for (int i = 0; i < C; ++i) acc[i] = _mm512_setzero_ps();
+  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < C; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    __asm__ volatile("" : "+v"(a), "+v"(b));  // (no hoisting: each round depends on the last)
+  }
+  const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  __m512 sum = acc[0];
+  for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return ns / (static_cast<double>(iters) * C);
+}
+
+// 12 chains' rate over 8 chains' (best of 3 alternated timings of ~0.2 ms each)
+double twelve_over_eight_chains() {
+  double t8 = 1e30, t12 = 1e30;
+  for (int round = 0; round < 3; ++round) {
+    t8 = std::min(t8, dot_chains_ns<8>(20000));
+    t12 = std::min(t12, dot_chains_ns<12>(15000));
+  }
+  return t8 / t12;
+}
+
+int64_t tile_block_rows() {
+  if (const char* v = std::getenv("MII_TILE_ROWS")) {
+    if (std::strcmp(v, "4") == 0) return 4;
+    if (std::strcmp(v, "6") == 0) return 6;
+  }
+  static const int64_t measured = twelve_over_eight_chains() > 1.15 ? 6 : 4;
+  return measured;
+}
+#endif
+
+#ifdef MII_QBF16
+// bf16 x: rows m0 .. m0+MR-1 of x against tiles t0 .. t0+NT-1 (MR <= 6, NT <= 2), the group's sums and (up to 8 of
+// them) the running sums both in registers (2 x 8 accumulators): each group's sums times the weight scale, plus
+// offset x sum(x), with no round trip through L1; blocks of 5-6 rows (tile_block_rows) keep their running sums in
+// `held` (L1) between groups. Where the running sums of 4 x 4 blocks lived in L1 (16 accumulators and 16 sums do
 // not fit 32 registers), a layer's four int4 linears ran 5-8% slower (alternated in one process, 64 and 256
 // rows); the same arithmetic in the same order, so the same results bit for bit.
 template <int MR, int NT>
 __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K, const Layout& L, const Tiles& T,
-                                          int64_t t0, float* y, at::BFloat16* yb, int64_t N, int64_t n0) {
+                                          int64_t t0, float* y, at::BFloat16* yb, int64_t N, int64_t n0,
+                                          float* held) {
   const int64_t cpg = L.G / 32;
   const int32_t* xq[MR];
   const float* gs[MR];
@@ -1067,9 +1117,13 @@ __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K
   const __m512i* tiles = T.data + t0 * stride;
   const float* sw = T.sw + t0 * sstride;
   const float* mw = T.mw + t0 * sstride;
+  constexpr bool kInRegisters = MR * NT <= 8;
   __m512 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < NT; ++t) {
+      acc[r][t] = _mm512_setzero_ps();
+      if constexpr (!kInRegisters) _mm512_store_ps(held + (r * NT + t) * 16, acc[r][t]);
+    }
   for (int64_t g = 0; g < L.groups; ++g) {
     __m512 part[MR][NT];
     for (int r = 0; r < MR; ++r)
@@ -1082,15 +1136,19 @@ __attribute__((noinline)) void bf16_block(const XPairs& X, int64_t m0, int64_t K
       const __m512 sv = _mm512_loadu_ps(sw + t * sstride + g * 16);
       const __m512 mv = _mm512_loadu_ps(mw + t * sstride + g * 16);
       for (int r = 0; r < MR; ++r) {
-        acc[r][t] = _mm512_fmadd_ps(part[r][t], sv, acc[r][t]);
-        if (L.int4) acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), acc[r][t]);
+        __m512 a = kInRegisters ? acc[r][t] : _mm512_load_ps(held + (r * NT + t) * 16);
+        a = _mm512_fmadd_ps(part[r][t], sv, a);
+        if (L.int4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r][g]), a);
+        if constexpr (kInRegisters) acc[r][t] = a;
+        else _mm512_store_ps(held + (r * NT + t) * 16, a);
       }
     }
   }
   for (int t = 0; t < NT; ++t) {
     const int64_t n = n0 + (t0 + t) * 16;
     const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
-    for (int r = 0; r < MR; ++r) store_sums(y, yb, (m0 + r) * N + n, valid, acc[r][t]);
+    for (int r = 0; r < MR; ++r)
+      store_sums(y, yb, (m0 + r) * N + n, valid, kInRegisters ? acc[r][t] : _mm512_load_ps(held + (r * NT + t) * 16));
   }
 }
 #endif
@@ -1156,14 +1214,17 @@ __attribute__((noinline)) void int_block(const XPairs& X, int64_t m0, int64_t K,
   }
 }
 
-// a task's nt tiles two at a time (they stay in L1/L2 while every row of x passes), the rows in blocks of 4 and 3:
+// a task's nt tiles two at a time (they stay in L1/L2 while every row of x passes), the rows in blocks of Most and
+// Most - 1 (4 and 3, or 6 and 5: mii_vec::by_blocks):
 // block(R, NT, m, t) (R, NT as std::integral_constant) for bf16_block and int_block; next.step() before each
-template <class Block>
+template <int Most = 4, class Block>
 void two_tiles_at_a_time(int64_t M, int64_t nt, Ahead& next, Block&& block) {
   const auto rows = [&](auto NT, int64_t t) {
-    mii_vec::by_fours_and_threes(M, [&](int64_t m, int R) {
+    mii_vec::by_blocks<Most>(M, [&](int64_t m, int R) {
       next.step();
       switch (R) {
+        case 6: if constexpr (Most >= 6) block(std::integral_constant<int, 6>{}, NT, m, t); break;
+        case 5: if constexpr (Most >= 5) block(std::integral_constant<int, 5>{}, NT, m, t); break;
         case 4: block(std::integral_constant<int, 4>{}, NT, m, t); break;
         case 3: block(std::integral_constant<int, 3>{}, NT, m, t); break;
         case 2: block(std::integral_constant<int, 2>{}, NT, m, t); break;
@@ -1197,10 +1258,17 @@ void int_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Til
 // 20.2 → 18.0 ms, 32 rows 32.4 → 29.9, 64 rows 56.8 → 53.7, 128-256 rows 2% (7 of 7 pairs faster at 16 and 32)
 void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
                 at::BFloat16* yb, int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
-  Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
-  two_tiles_at_a_time(M, nt, next, [&](auto R, auto NT, int64_t m, int64_t t) {
-    bf16_block<decltype(R)::value, decltype(NT)::value>(X, m, K, L, T, t, y, yb, N, n0);
-  });
+  alignas(64) float held[6 * 2 * 16];  // the running sums of blocks of more than 8 (bf16_block)
+  const auto block = [&](auto R, auto NT, int64_t m, int64_t t) {
+    bf16_block<decltype(R)::value, decltype(NT)::value>(X, m, K, L, T, t, y, yb, N, n0, held);
+  };
+  if (tile_block_rows() == 6) {
+    Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 5) / 6));
+    two_tiles_at_a_time<6>(M, nt, next, block);
+  } else {
+    Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
+    two_tiles_at_a_time<4>(M, nt, next, block);
+  }
 }
 #endif
 
@@ -1720,3 +1788,14 @@ TORCH_LIBRARY_IMPL(mii, CPU, m) {
   m.impl("linear_quant", &linear_quant_cpu);
   m.impl("quant_rows", &quant_rows_cpu);
 }
+
+// mii::tile_block_rows: the rows bf16_block takes at a time on this CPU (4 without AVX512-BF16, where it does not run)
+int64_t tile_block_rows_op() {
+#ifdef MII_QBF16
+  return tile_block_rows();
+#else
+  return 4;
+#endif
+}
+
+TORCH_LIBRARY_IMPL(mii, CompositeExplicitAutograd, m) { m.impl("tile_block_rows", &tile_block_rows_op); }

@@ -149,6 +149,31 @@ def test_a_row_does_not_depend_on_its_block(scheme, group, dtype):
             torch.testing.assert_close(part, full[:m], rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None)])
+def test_blocks_of_six_rows_are_the_blocks_of_four(scheme, group, monkeypatch):
+    """bf16 x from 17 rows goes through blocks of 6 rows (12 chains of vdpbf16ps, their running sums in L1) where
+    this CPU runs 12 chains faster than 8 (Zen 5), else of 4 (mii::tile_block_rows, measured once per process;
+    MII_TILE_ROWS overrides): the same arithmetic a row, so the same bits either way, at every row count's mix of
+    blocks (6 and 5, then 4 and 3 below 20 rows)."""
+    kernels.load_cpu_kernels()
+    assert torch.ops.mii.tile_block_rows() in (4, 6)
+    monkeypatch.setenv("MII_AMX", "0")
+    if not _few_row_tiles():
+        pytest.skip("the tiles' bf16 path needs AVX512-BF16, VNNI and VBMI")
+    g = torch.Generator().manual_seed(11)
+    w = _weight(100, 576, scheme, group, g)
+    x = torch.randn(70, 576, generator=g).bfloat16()
+    out = {}
+    for rows in ("4", "6"):
+        monkeypatch.setenv("MII_TILE_ROWS", rows)
+        assert torch.ops.mii.tile_block_rows() == int(rows)
+        out[rows] = {m: quant_linear(x[:m], w, None) for m in (17, 19, 20, 23, 25, 30, 37, 70)}
+    for m, y in out["4"].items():
+        assert torch.equal(out["6"][m], y), m
+        _check(y, x[:m], w, None, 2 ** -7)
+        assert torch.equal(y[:17], out["4"][17]), m  # a row is the same in any mix of blocks
+
+
 @pytest.mark.parametrize("n,k,scheme,group", [(100, 576, "int4", 32), (48, 1536, "int8", 32), (98, 384, "int4", 64)])
 def test_amx_and_vdpbf16ps_tiles_agree(n, k, scheme, group, monkeypatch):
     """Where the CPU has AMX, bf16 rows from 9 on multiply the unpacked tiles with AMX (MII_AMX=0: `vdpbf16ps`): the

@@ -305,6 +305,9 @@ def test_the_plan_says_what_the_start_up_took(tiny_llama, caplog, quantization, 
                           rf"{re.escape(str(cache_dir() / 'packed'))}/", why)) == (packed or tiles)
     assert plan.describe().splitlines()[-1].startswith(f"  start-up             {plan.startup['total']:.1f} s  (")
     assert plan.describe() in caplog.text
+    if packed and plan.dtype == "bfloat16" and not plan.amx():  # how the int8/int4 tiles take rows on this CPU
+        rows = torch.ops.mii.tile_block_rows()
+        assert f"rows in blocks of {rows} (" in plan.reasons["linears"], plan.reasons["linears"]
     pipe.destroy()
 
 
