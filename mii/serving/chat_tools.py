@@ -103,6 +103,12 @@ def renders_tools(chat_template) -> bool:
     return any("tools" in _template_variables(str(s)) for s in sources)
 
 
+def check_renders_tools(chat_template) -> None:
+    """A 400 naming `tools` where the chat template does not render them (chat completions and /tokenize)."""
+    if not renders_tools(chat_template):
+        raise APIError(400, "tools: this model's chat template does not render tools", param="tools")
+
+
 class ToolPlan:
     """What a chat request's tools mean for its rendering, its constraint and the parsing of its answer."""
 
@@ -128,8 +134,8 @@ class ToolPlan:
                                param="tool_choice")
         self.choice = "named" if self.named else choice
         self.parser = parser
-        if self.choice != "none" and not renders_tools(chat_template):
-            raise APIError(400, "tools: this model's chat template does not render tools", param="tools")
+        if self.choice != "none":
+            check_renders_tools(chat_template)
         if self.choice == "auto" and parser is None:
             raise APIError(400, "tools: the server knows no tool-call format for this model's chat template; start "
                            "it with --tool-call-parser (hermes, llama3_json or mistral), or use "

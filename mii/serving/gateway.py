@@ -86,8 +86,8 @@ def build_app(lb: LoadBalancer, model: ServedModel, api_key: Optional[str] = Non
             extra = next((f for f in ("tools", "chat_template_kwargs") if getattr(body, f) is not None), None)
             if extra:
                 raise APIError(400, f"{extra}: only with messages", param=extra)
-        if body.tools and not chat_tools.renders_tools(getattr(model.tokenizer, "chat_template", None)):
-            raise APIError(400, "tools: this model's chat template does not render tools", param="tools")
+        if body.tools:
+            chat_tools.check_renders_tools(getattr(model.tokenizer, "chat_template", None))
         if body.messages is not None:
             text = chat_tools.render(model, body.messages, body.add_generation_prompt, body.tools,
                                      body.chat_template_kwargs, body.continue_final_message)
