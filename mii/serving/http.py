@@ -224,19 +224,22 @@ class BodyLimit:
 
 
 async def until_disconnect(request: Request, coro):
-    """Await `coro`, cancelling it (and so the generation) if the client goes away first."""
-    task = asyncio.ensure_future(coro)
+    """Await `coro`, cancelling it (and so the generation) as soon as the client goes away: the request's body
+    has been read, so the next ASGI message is the disconnect."""
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client closed the request", code="client_closed")
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(499, "client closed the request", code="client_closed")
     finally:
-        if not task.done():
-            task.cancel()
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
 
 
 class HTTPKeyCheck:

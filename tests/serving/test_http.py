@@ -79,13 +79,13 @@ def test_client_leaving_mid_stream_aborts_its_sequence(base_url, deployment):
 def test_client_leaving_a_blocking_request_aborts_it(base_url, deployment):
     before = sum(s.generation_tokens_total for s in deployment.engine_stats())
     try:
-        httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 900, "ignore_eos": True},
-                   timeout=0.3)  # a fast machine makes 900 tokens of the tiny model in ~1.5 s: leave well before
+        httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 4000, "ignore_eos": True},
+                   timeout=0.3)  # the tiny model makes ~2,000 tokens a second on the fastest machines here
     except httpx.TimeoutException:
         pass
     freed = wait_until(lambda: all(s.kv_blocks_used == 0 and s.num_running == 0 for s in deployment.engine_stats()),
                        timeout=15)
-    assert freed and sum(s.generation_tokens_total for s in deployment.engine_stats()) - before < 900
+    assert freed and sum(s.generation_tokens_total for s in deployment.engine_stats()) - before < 4000
 
 
 def test_http_connections_send_without_delay():
