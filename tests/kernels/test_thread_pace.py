@@ -193,10 +193,11 @@ def greedy(pipe, prompt: str, n: int) -> str:
     return pipe(prompt, max_new_tokens=n, do_sample=False, ignore_eos=True)[0].generated_text
 
 
-def idle_run(held, run, tries: int = 3):
+def idle_run(held, run, tries: int = 8):
     """`run()` on a machine we keep idle, which its neighbours may not: a burst of theirs can cost a window one
     thread (test_one_bad_window_costs_one_interval), so one of `tries` runs must keep both threads throughout, and
-    a pace that takes idle steps for lost never does; returns the last run's output"""
+    a pace that takes idle steps for lost never does (8 tries: a shared host's busy minute can spoil several runs
+    in a row); returns the last run's output"""
     seen = []
     for _ in range(tries):
         drops = torch.ops.mii.stack_pace(held)[1]
@@ -214,7 +215,7 @@ def test_beside_busy_processes_decode_takes_one_thread_with_the_same_tokens_then
     idle_drops = torch.ops.mii.stack_pace(held)[1]
     with Busy():
         busy = greedy(pipe, PROMPT, 96)
-        for _ in range(3):  # a try of a second thread can hold in a lull of the neighbours' load (seen once in CI:
+        for _ in range(6):  # a try of a second thread can hold in a lull of the neighbours' load (seen once in CI:
             if torch.ops.mii.stack_pace(held)[0] == 1:  # dropped, then a try kept): the load goes on, so it drops again
                 break
             assert greedy(pipe, PROMPT, 96) == idle
@@ -252,7 +253,7 @@ def test_beside_busy_processes_a_batch_takes_one_thread_with_the_same_tokens(two
     idle_drops = torch.ops.mii.stack_pace(held)[1]
     with Busy():
         seen = _threads_per_step(pipe)
-        for _ in range(3):  # a trial of one thread is 8 steps, 4 on each count: the neighbours' noise can fail one
+        for _ in range(6):  # a trial of one thread is 8 steps, 4 on each count: the neighbours' noise can fail one
             busy = batch()  # (then the next lossy window is skipped: one chance in a batch of 48 steps)
             assert busy == idle
             threads, drops, probes, rises = torch.ops.mii.stack_pace(held)

@@ -23,7 +23,7 @@ from tests.reference import TINY, prompts_for, tiny_checkpoint
 VOCAB = 49152
 NEW = 16
 REPO = Path(__file__).resolve().parents[2]
-AGENT_TIMEOUT_S = 120
+AGENT_TIMEOUT_S = 300  # a bound on a hang: two agents, 4 ranks on 2 cores, a slow hour can take minutes
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 

@@ -4,7 +4,10 @@ at the end even when a test fails.
 - `deployment`: a tiny random Llama (SmolLM2's tokenizer and chat template; 1024-token context), two replicas,
   HTTP gateway on, a default `max_length` of 512 (MII's requests without a length stop there; OpenAI's use the
   rest of the context); started through MII's `mii_config={..., "model_config": {...}}` form.
-- `limited`: the same model, two replicas that each run one sequence at a time and queue at most one more,
+- `long_deployment`: one replica of `long_model` (the tiny Llama with a 131,072-token context) and a KV cache
+  that holds all of it: a request of 100,000 tokens runs for tens of seconds on the fastest machine, so a test that
+  must act while a request runs never races the model's speed.
+- `limited`: the same long model, two replicas that each run one sequence at a time and queue at most one more,
   behind an API key (tests/serving/test_load.py).
 """
 from __future__ import annotations
@@ -23,6 +26,13 @@ import pytest
 from mii.serving import records
 
 KV = {"state_manager": {"kv_block_size": 16, "memory_config": {"mode": "allocate", "size": 512}}}
+LONG_CONTEXT = 131072
+LONG_KV = {"state_manager": {"kv_block_size": 16, "max_context": LONG_CONTEXT,
+                             "memory_config": {"mode": "allocate", "size": LONG_CONTEXT // 16}}}
+"""`long_model`'s whole context (the engine's default `max_context` is 8,192) and a KV cache for one sequence of
+it (64 MiB in float32)."""
+LONG_TOKENS = 100_000
+"""A request that outlasts any test's waits: the tiny model makes at most a few thousand tokens a second."""
 
 
 def free_port() -> int:
@@ -121,14 +131,31 @@ def tiny_model(tmp_path_factory, tokenizer_dir) -> str:
 
 @pytest.fixture(scope="session")
 def long_model(tmp_path_factory, tokenizer_dir) -> str:
-    """The tiny Llama with a context of 8,192 tokens, for streams that must outlast a test's waits (1,000 tokens of
-    the 1,024-token model take about a second)."""
+    """The tiny Llama with a context of 131,072 tokens, for requests that must outlast a test's waits (1,000 tokens
+    of the 1,024-token model took under 0.5 s on a fast CI machine)."""
     from transformers import LlamaConfig
 
     from tests.reference import TINY, tiny_checkpoint
 
-    cfg = LlamaConfig(vocab_size=49152, **{**TINY, "max_position_embeddings": 8192})
-    return str(tiny_checkpoint(cfg, tmp_path_factory.mktemp("tiny-llama-8k"), tokenizer_dir))
+    cfg = LlamaConfig(vocab_size=49152, **{**TINY, "max_position_embeddings": LONG_CONTEXT})
+    return str(tiny_checkpoint(cfg, tmp_path_factory.mktemp("tiny-llama-long"), tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def long_deployment(long_model):
+    import mii
+
+    client = mii.serve(long_model, deployment_name=unique_name("test-long"), port_number=free_port(),
+                       enable_restful_api=True, restful_api_port=free_port(), dtype="float32",
+                       inference_engine_config=LONG_KV)
+    client.generate("warm", max_new_tokens=2)  # a test's deadline counts from a replica that has run a step
+    yield client
+    stop(client)
+
+
+def generated(client) -> int:
+    """Tokens a deployment's replicas have made so far."""
+    return sum(s.generation_tokens_total for s in client.engine_stats())
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mii.serving.protocol import pb2, pb2_grpc
-from tests.serving.conftest import wait_until
+from tests.serving.conftest import LONG_TOKENS, generated, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +69,19 @@ def test_invalid_argument_names_the_field(channel):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
 
 
-def test_cancelled_stream_frees_kv_blocks(channel, deployment):
-    stub = pb2_grpc.ModelResponseStub(channel)
+@pytest.fixture(scope="module")
+def long_channel(long_deployment):
+    """A channel to one replica of the 131,072-token model: its requests outlast the tests' waits."""
+    with grpc.insecure_channel(long_deployment.address) as ch:
+        yield ch
+
+
+def test_cancelled_stream_frees_kv_blocks(long_channel, long_deployment):
+    stub = pb2_grpc.ModelResponseStub(long_channel)
+    half = LONG_TOKENS // 2  # both sequences fit in the cache at once
     req = pb2.MultiStringRequest(request=["a long story"] * 2,
-                                 query_kwargs=_kwargs(max_new_tokens=900, ignore_eos=True))
-    before = sum(s.generation_tokens_total for s in stub.EngineStats(empty_pb2.Empty()).replicas)
+                                 query_kwargs=_kwargs(max_new_tokens=half, ignore_eos=True))
+    before = generated(long_deployment)
     call = stub.GeneratorReplyStream(req, timeout=120)
     for _ in range(3):
         next(call)
@@ -86,18 +94,19 @@ def test_cancelled_stream_frees_kv_blocks(channel, deployment):
         return all(x.kv_blocks_used == 0 and x.num_running == 0 and x.num_waiting == 0 for x in s)
 
     assert wait_until(freed, timeout=15), stub.EngineStats(empty_pb2.Empty())
-    after = sum(s.generation_tokens_total for s in stub.EngineStats(empty_pb2.Empty()).replicas)
-    assert after - before < 1800  # aborted, not run to the end
+    assert 0 < generated(long_deployment) - before < 2 * half  # aborted, not run to the end
 
 
-def test_deadline_aborts_the_request(channel):
-    stub = pb2_grpc.ModelResponseStub(channel)
-    req = pb2.MultiStringRequest(request=["x"], query_kwargs=_kwargs(max_new_tokens=900, ignore_eos=True))
+def test_deadline_aborts_the_request(long_channel, long_deployment):
+    stub = pb2_grpc.ModelResponseStub(long_channel)
+    req = pb2.MultiStringRequest(request=["x"], query_kwargs=_kwargs(max_new_tokens=LONG_TOKENS, ignore_eos=True))
+    before = generated(long_deployment)
     with pytest.raises(grpc.RpcError) as e:
         stub.GeneratorReply(req, timeout=0.5)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     def freed():
-        return all(x.kv_blocks_used == 0 for x in stub.EngineStats(empty_pb2.Empty()).replicas)
+        return all(x.kv_blocks_used == 0 and x.num_running == 0 for x in stub.EngineStats(empty_pb2.Empty()).replicas)
 
     assert wait_until(freed, timeout=15)
+    assert 0 < generated(long_deployment) - before < LONG_TOKENS  # it ran, and stopped at the deadline

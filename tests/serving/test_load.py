@@ -25,7 +25,7 @@ import mii
 from mii.errors import DeploymentNotFoundError, ServerOverloadedError
 from mii.serving import records
 from mii.serving.protocol import from_multi_reply, make_request, pb2_grpc
-from tests.serving.conftest import KV, deployment_pids, free_port, metric, stop, unique_name, wait_until
+from tests.serving.conftest import LONG_KV, LONG_TOKENS, deployment_pids, free_port, metric, stop, unique_name, wait_until
 
 KEY = "sekret"
 DRAIN_S = 1.0
@@ -35,7 +35,7 @@ DRAIN_S = 1.0
 def limited(long_model):
     """Two replicas that each run one sequence at a time and let one more wait; an API key on HTTP; a short
     drain on terminate."""
-    ie = {"state_manager": {**KV["state_manager"], "max_ragged_sequence_count": 1}}
+    ie = {"state_manager": {**LONG_KV["state_manager"], "max_ragged_sequence_count": 1}}
     client = mii.serve(long_model, deployment_name=unique_name("test-limited"), port_number=free_port(),
                        replica_num=2, enable_restful_api=True, restful_api_port=free_port(), dtype="float32",
                        max_waiting_requests=1, api_key=KEY, drain_timeout=DRAIN_S, inference_engine_config=ie)
@@ -50,7 +50,7 @@ def url(limited):
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
-LONG = {"max_new_tokens": 8000, "ignore_eos": True}  # 8,000 engine steps: runs for several seconds at the least
+LONG = {"max_new_tokens": LONG_TOKENS, "ignore_eos": True}  # 100,000 engine steps: far longer than any test waits
 
 
 def test_api_key(url, long_model):
@@ -100,6 +100,7 @@ def test_full_queue_is_refused_at_once(limited, url):
         with pytest.raises(ServerOverloadedError):
             limited.generate("x", max_new_tokens=2)
         assert time.monotonic() - t < 5
+        assert sum(s.num_waiting for s in limited.engine_stats()) == 2  # the queue was full all along
     finally:
         for c in calls:
             c.cancel()

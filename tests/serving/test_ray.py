@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import mii
 from mii.errors import DeploymentUnavailableError
-from tests.serving.conftest import KV, free_port, metric, stop, under_load, unique_name, wait_until
+from tests.serving.conftest import KV, LONG_KV, free_port, metric, stop, under_load, unique_name, wait_until
 
 PROMPTS = ["one two three", "the cat sat on", "a b c d e f", "hello world"]
 GREEDY = {"max_new_tokens": 12, "do_sample": False, "ignore_eos": True}
@@ -86,7 +86,7 @@ def served(cluster, long_model):
     c, _ = cluster
     client = mii.serve(long_model, deployment_name=unique_name("test-ray"), port_number=free_port(), replica_num=2,
                        num_threads=1, cluster="ray", ray_address=c.address, enable_restful_api=True,
-                       restful_api_port=free_port(), dtype="float32", inference_engine_config=KV)
+                       restful_api_port=free_port(), dtype="float32", inference_engine_config=LONG_KV)
     yield client
     stop(client)
 
@@ -163,8 +163,8 @@ def test_a_node_that_goes_away(served, url, cluster, expected):
     c, second = cluster
     on_second = next(label for label in _nodes(url) if label.endswith(second.node_id[:8]))
     # long enough that no request can finish before the node is gone (the head node's are cancelled once they have
-    # shown that they go on); the long model's context is 8192
-    long = {"max_new_tokens": 6000, "do_sample": False, "ignore_eos": True}
+    # shown that they go on), and two of them fit in a replica's cache at once (no preempted stream waits)
+    long = {"max_new_tokens": 60_000, "do_sample": False, "ignore_eos": True}
 
     async def run():
         first_chunks = asyncio.Event()

@@ -9,7 +9,7 @@ import pytest
 
 import mii
 from mii.errors import ValidationError
-from tests.serving.conftest import KV, free_port, stop, under_load, unique_name
+from tests.serving.conftest import KV, free_port, stop, under_load, unique_name, wait_until
 
 PROMPTS = ["one two three", "the cat sat on", "a b c d e f", "hello world"]
 GREEDY = {"max_new_tokens": 12, "do_sample": False, "ignore_eos": True}
@@ -35,14 +35,14 @@ def test_scale_under_load(single):
         health = _health(single)
         assert (health["status"], health["replicas"], health["configured"]) == ("ok", 2, 2)
         assert health["nodes"] == {"local": [0, 1]}
-        time.sleep(1.5)  # both replicas serve
-        busy = [s.requests_total for s in single.engine_stats()]
+        # both replicas serve: the new one takes part of the load (its first request, however slow the machine)
+        busy = wait_until(lambda: (b := [s.requests_total for s in single.engine_stats()])[1] > 0 and b, timeout=60)
         out = subprocess.run([sys.executable, "-m", "mii.cli", "scale", single.deployment_name, "1"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "1 replica(s), 1 serving" in out.stdout
         time.sleep(1.0)  # requests keep going to the one left
-    assert busy[1] > 0, busy  # the new replica took part of the load
+    assert busy, single.engine_stats()  # the new replica took part of the load
     failures = [r for _, r in results if isinstance(r, Exception)]
     assert not failures, failures[:3]
     assert len(results) > 8 and all(ids == want[i] for i, ids in results)

@@ -20,12 +20,12 @@ from pathlib import Path
 import httpx
 
 from mii.serving import records
-from tests.serving.conftest import free_port, metric, unique_name, wait_until
+from tests.serving.conftest import LONG_CONTEXT, LONG_TOKENS, free_port, metric, unique_name, wait_until
 
 MII = str(Path(sys.executable).parent / "mii")
 TIMEOUT_S = 8
-"""Longer than the SIGTERM part takes (its long stream must still run at the second signal); far shorter than
-the request that times out (128 sequences x 1000 steps: ~30 s of a tiny model on 2 cores)."""
+"""Far shorter than the request that times out (16 sequences x 100,000 steps of the tiny model: minutes on any
+machine here)."""
 
 
 def _stream(base: str, max_tokens: int, out: dict) -> None:
@@ -54,12 +54,12 @@ def _stream(base: str, max_tokens: int, out: dict) -> None:
         out["first"].set()
 
 
-def test_request_timeout_and_two_signals(tmp_path, tiny_model):
+def test_request_timeout_and_two_signals(tmp_path, long_model):
     port, grpc_port, name = free_port(), free_port(), unique_name("test-shutdown")
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([MII, "serve", tiny_model, "--port", str(port), "--grpc-port", str(grpc_port),
+    proc = subprocess.Popen([MII, "serve", long_model, "--port", str(port), "--grpc-port", str(grpc_port),
                              "--deployment-name", name, "--dtype", "float32", "--request-timeout", str(TIMEOUT_S),
-                             "--drain-timeout", "30"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             "--drain-timeout", "60", "--max-context", str(LONG_CONTEXT)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     replica_pids = []
     try:
@@ -75,7 +75,7 @@ def test_request_timeout_and_two_signals(tmp_path, tiny_model):
         # past --request-timeout: 504, the sequences aborted
         t = time.monotonic()
         r = httpx.post(f"{base}/v1/completions", timeout=120,
-                       json={"prompt": "x", "max_tokens": 1000, "n": 128, "ignore_eos": True})
+                       json={"prompt": "x", "max_tokens": LONG_TOKENS, "n": 16, "ignore_eos": True})
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "request_timeout" and "request_timeout" in r.json()["error"]["message"]
         assert TIMEOUT_S * 0.9 < time.monotonic() - t < TIMEOUT_S + 10
@@ -84,7 +84,7 @@ def test_request_timeout_and_two_signals(tmp_path, tiny_model):
 
         # SIGTERM under two streams: the short one finishes, new requests are refused
         long, short = {}, {}
-        threads = [threading.Thread(target=_stream, args=(base, 1000, long)),
+        threads = [threading.Thread(target=_stream, args=(base, LONG_TOKENS, long)),
                    threading.Thread(target=_stream, args=(base, 12, short))]
         threads[0].start()
         assert wait_until(lambda: long.get("first") and long["first"].is_set(), timeout=30)

@@ -48,7 +48,9 @@ def _prompt(i: int) -> str:
 
 
 def test_preemption_under_load(pressured, url, deployment):
-    """16 greedy requests at once (each ~20-80 tokens, 8 per replica, ~2x what its cache holds)."""
+    """16 greedy sequences at once (each ~20-80 tokens): two calls of 8 prompts, one a replica (the balancer weighs
+    by sequences), ~2x what its cache holds. All 8 arrive in one call, so they must share the cache however fast
+    the machine is (16 calls of one prompt could each finish before the next arrived)."""
     prompts = [_prompt(i) for i in range(16)]
     kwargs = {"max_new_tokens": 40, "do_sample": False, "ignore_eos": True}
     want = [r.token_ids for r in deployment.generate(prompts, **kwargs)]  # the same model, a cache of 512 blocks
@@ -56,9 +58,9 @@ def test_preemption_under_load(pressured, url, deployment):
     async def run():
         async with grpc.aio.insecure_channel(pressured.address) as channel:
             stub = pb2_grpc.ModelResponseStub(channel)
-            replies = await asyncio.gather(*(stub.GeneratorReply(make_request([p], kwargs), timeout=300)
-                                             for p in prompts))
-        return [from_multi_reply(r)[0].token_ids for r in replies]
+            replies = await asyncio.gather(*(stub.GeneratorReply(make_request(prompts[i:i + 8], kwargs), timeout=300)
+                                             for i in (0, 8)))
+        return [r.token_ids for reply in replies for r in from_multi_reply(reply)]
 
     assert asyncio.run(run()) == want
     text = httpx.get(f"{url}/metrics", timeout=10).text
