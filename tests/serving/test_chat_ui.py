@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from mii.serving import records
-from tests.serving.conftest import end_serve, free_port, metric, stop, unique_name, wait_until
+from tests.serving.conftest import LONG_CONTEXT, end_serve, free_port, metric, stop, unique_name, wait_until
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (Debian: apt-get install "
@@ -123,12 +123,14 @@ def test_chat_streams_the_servers_answer_and_keeps_the_conversation(page, base_u
 
 @pytest.fixture(scope="module")
 def long_url(long_model):
-    """One replica of the tiny model with an 8,192-token context: a reply of the rest of the context runs for
-    seconds (the session deployment's 512-token context ended in ~0.5 s, sometimes before Stop was clicked)."""
+    """One replica of the tiny model with its whole 131,072-token context: a reply of the rest of the context runs
+    for a minute or more (the session deployment's 512-token context ended in ~0.5 s, sometimes before Stop was
+    clicked)."""
     import mii
 
     client = mii.serve(long_model, deployment_name=unique_name("test-page-long"), port_number=free_port(),
-                       enable_restful_api=True, restful_api_port=free_port(), dtype="float32")
+                       enable_restful_api=True, restful_api_port=free_port(), dtype="float32",
+                       inference_engine_config={"state_manager": {"max_context": LONG_CONTEXT}})
     yield f"http://127.0.0.1:{client.record['http_port']}"
     stop(client)
 
@@ -142,7 +144,7 @@ def test_stop_aborts_the_request_on_the_server(page, long_url):
     page.goto(f"{base_url}/")
     page.wait_for_function("() => document.getElementById('status').textContent === 'ready'")
     page.fill("#temperature", "0")  # greedy: this reply is the same every time, and long
-    page.fill("#max-tokens", "")  # OpenAI's default: the rest of the context (~8,000 tokens)
+    page.fill("#max-tokens", "")  # OpenAI's default: the rest of the context (~131,000 tokens)
     finished, generated = server("mii_requests_total"), server("mii_generation_tokens_total")
     page.fill("#prompt", "Tell me a long story.")
     page.press("#prompt", "Enter")
@@ -162,7 +164,7 @@ def test_stop_aborts_the_request_on_the_server(page, long_url):
     assert wait_until(lambda: server("mii_num_requests_running") == 0 and server("mii_kv_cache_blocks_used") == 0)
     time.sleep(0.5)
     assert server("mii_requests_total") == finished
-    assert 0 < server("mii_generation_tokens_total") - generated < 8000  # (the rest of the context: ~8,150)
+    assert 0 < server("mii_generation_tokens_total") - generated < LONG_CONTEXT - 100  # (the rest of the context)
     # the page goes on: a stopped reply is part of the conversation
     page.fill("#max-tokens", "3")
     assert _ask(page, "Go on.", 2)[2] in ("length", "stop")
