@@ -25,7 +25,8 @@ import mii
 from mii.errors import DeploymentNotFoundError, ServerOverloadedError
 from mii.serving import records
 from mii.serving.protocol import from_multi_reply, make_request, pb2_grpc
-from tests.serving.conftest import LONG_KV, LONG_TOKENS, deployment_pids, free_port, metric, stop, unique_name, wait_until
+from tests.serving.conftest import (LONG_KV, LONG_TOKENS, deployment_pids, free_port, metric, stop, unique_name,
+                                    wait_until)
 
 KEY = "sekret"
 DRAIN_S = 1.0

@@ -59,7 +59,8 @@ def test_request_timeout_and_two_signals(tmp_path, long_model):
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([MII, "serve", long_model, "--port", str(port), "--grpc-port", str(grpc_port),
                              "--deployment-name", name, "--dtype", "float32", "--request-timeout", str(TIMEOUT_S),
-                             "--drain-timeout", "60", "--max-context", str(LONG_CONTEXT)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             "--drain-timeout", "60", "--max-context", str(LONG_CONTEXT)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     replica_pids = []
     try:
