@@ -225,10 +225,15 @@ class BodyLimit:
 
 async def until_disconnect(request: Request, coro):
     """Await `coro`, cancelling it (and so the generation) as soon as the client goes away: the request's body
-    has been read, so the next ASGI message is the disconnect."""
+    has been read, so the next ASGI message is the disconnect. (Asked again every 0.5 s: a byte after the body, a
+    stray CRLF or a pipelined request, pauses uvicorn's reading until `receive` is called again.)"""
     async def gone():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        while True:
+            try:
+                if (await asyncio.wait_for(request.receive(), 0.5))["type"] == "http.disconnect":
+                    return
+            except asyncio.TimeoutError:
+                pass
 
     task, watcher = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
     try:

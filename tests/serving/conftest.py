@@ -6,7 +6,8 @@ at the end even when a test fails.
   rest of the context); started through MII's `mii_config={..., "model_config": {...}}` form.
 - `long_deployment`: one replica of `long_model` (the tiny Llama with a 131,072-token context) and a KV cache
   that holds all of it: a request of 100,000 tokens runs for tens of seconds on the fastest machine, so a test that
-  must act while a request runs never races the model's speed.
+  must act while a request runs never races the model's speed. (Give its requests a length: OpenAI's default,
+  the rest of the context, is ~131,000 tokens.)
 - `limited`: the same long model, two replicas that each run one sequence at a time and queue at most one more,
   behind an API key (tests/serving/test_load.py).
 """

@@ -24,8 +24,9 @@ from tests.serving.conftest import LONG_CONTEXT, LONG_TOKENS, free_port, metric,
 
 MII = str(Path(sys.executable).parent / "mii")
 TIMEOUT_S = 8
-"""Far shorter than the request that times out (16 sequences x 100,000 steps of the tiny model: minutes on any
-machine here)."""
+"""Longer than the SIGTERM part takes (its long stream must still run at the second signal, not end at this
+timeout); far shorter than the request that times out (16 sequences x 100,000 steps of the tiny model: minutes on
+any machine here)."""
 
 
 def _stream(base: str, max_tokens: int, out: dict) -> None:
