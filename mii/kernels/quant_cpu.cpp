@@ -1216,9 +1216,11 @@ __attribute__((noinline)) void int_block(const XPairs& X, int64_t m0, int64_t K,
 
 // a task's nt tiles two at a time (they stay in L1/L2 while every row of x passes), the rows in blocks of Most and
 // Most - 1 (4 and 3, or 6 and 5: mii_vec::by_blocks):
-// block(R, NT, m, t) (R, NT as std::integral_constant) for bf16_block and int_block; next.step() before each
+// block(R, NT, m, t) (R, NT as std::integral_constant) for bf16_block and int_block; each block brings its share of
+// `ahead` (the thread's next task's weight bytes) into L2 first
 template <int Most = 4, class Block>
-void two_tiles_at_a_time(int64_t M, int64_t nt, Ahead& next, Block&& block) {
+void two_tiles_at_a_time(int64_t M, int64_t nt, const uint8_t* ahead, int64_t ahead_bytes, Block&& block) {
+  Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + Most - 1) / Most));
   const auto rows = [&](auto NT, int64_t t) {
     mii_vec::by_blocks<Most>(M, [&](int64_t m, int R) {
       next.step();
@@ -1245,8 +1247,7 @@ void two_tiles_at_a_time(int64_t M, int64_t nt, Ahead& next, Block&& block) {
 template <bool kBytes>
 void int_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Tiles& T, int64_t nt, float* y,
                int64_t N, int64_t n0, const uint8_t* ahead, int64_t ahead_bytes) {
-  Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
-  two_tiles_at_a_time(M, nt, next, [&](auto R, auto NT, int64_t m, int64_t t) {
+  two_tiles_at_a_time(M, nt, ahead, ahead_bytes, [&](auto R, auto NT, int64_t m, int64_t t) {
     int_block<decltype(R)::value, decltype(NT)::value, kBytes>(X, m, K, L, T, t, y, N, n0);
   });
 }
@@ -1262,13 +1263,10 @@ void bf16_tiles(const XPairs& X, int64_t M, int64_t K, const Layout& L, const Ti
   const auto block = [&](auto R, auto NT, int64_t m, int64_t t) {
     bf16_block<decltype(R)::value, decltype(NT)::value>(X, m, K, L, T, t, y, yb, N, n0, held);
   };
-  if (tile_block_rows() == 6) {
-    Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 5) / 6));
-    two_tiles_at_a_time<6>(M, nt, next, block);
-  } else {
-    Ahead next(ahead, ahead_bytes, (nt + 1) / 2 * ((M + 3) / 4));
-    two_tiles_at_a_time<4>(M, nt, next, block);
-  }
+  if (tile_block_rows() == 6)
+    two_tiles_at_a_time<6>(M, nt, ahead, ahead_bytes, block);
+  else
+    two_tiles_at_a_time<4>(M, nt, ahead, ahead_bytes, block);
 }
 #endif
 
